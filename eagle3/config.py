@@ -1,0 +1,201 @@
+"""ML-side experiment sections: target, data, train (with the draft shape), export.
+
+Pydantic models, strict (`extra="forbid"`), every field described and bounded. The YAML
+loader and the orchestration sections (deploy, bench, tracking, hosts) live in
+`tasks/config.py`; this module has no YAML, Prefect or MLflow imports so that `eagle3/`
+stays usable from a notebook.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, defaults are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------- target
+
+
+class TinyTargetConfig(StrictModel):
+    """Shape and training budget of the embedded tiny target (built locally, never downloaded)."""
+
+    vocab_size: int = Field(2048, ge=300, le=65536, description="BPE vocabulary size of the tiny tokenizer.")
+    hidden_size: int = Field(256, ge=16, le=4096, description="Hidden width of the tiny Llama.")
+    intermediate_size: int = Field(688, ge=16, le=16384, description="MLP width of the tiny Llama.")
+    num_hidden_layers: int = Field(
+        8, ge=7, le=64, description="Decoder layers; >= 7 so SGLang's default aux layers are three distinct ones."
+    )
+    num_attention_heads: int = Field(4, ge=1, le=64, description="Attention heads.")
+    num_key_value_heads: int = Field(2, ge=1, le=64, description="KV heads (GQA); must divide the attention heads.")
+    max_position_embeddings: int = Field(1024, ge=64, le=131072, description="Context length of the tiny target.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+    corpus_max_bytes: int = Field(
+        4_000_000, ge=10_000, le=500_000_000, description="Bytes of Python stdlib source used as training corpus."
+    )
+    train_steps: int = Field(600, ge=1, le=1_000_000, description="Optimizer steps for the tiny target.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Sequences per step when training the tiny target.")
+    seq_len: int = Field(256, ge=16, le=8192, description="Tokens per training sequence of the tiny target.")
+    lr: float = Field(3e-3, gt=0, le=1, description="Peak learning rate of the tiny target.")
+    seed: int = Field(0, ge=0, description="Seed for the tiny target's tokenizer and weights.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyTargetConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("target.tiny.num_attention_heads must be a multiple of target.tiny.num_key_value_heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("target.tiny.hidden_size must be a multiple of target.tiny.num_attention_heads")
+        return self
+
+
+class TargetShape(StrictModel):
+    """Declared shape of a target whose weights are not on the orchestrator (e.g. on the GPU host)."""
+
+    architecture: str = Field(..., min_length=1, description="HF `architectures[0]`, e.g. LlamaForCausalLM.")
+    num_hidden_layers: int = Field(..., ge=1, le=1024, description="Decoder layers of the target.")
+    hidden_size: int = Field(..., ge=1, le=65536, description="Hidden width of the target.")
+    vocab_size: int = Field(..., ge=1, le=10_000_000, description="Target vocabulary size.")
+    max_position_embeddings: int = Field(..., ge=1, le=10_000_000, description="Target context length.")
+
+
+class TargetConfig(StrictModel):
+    """The model being accelerated."""
+
+    kind: Literal["tiny", "hf"] = Field("tiny", description="`tiny`: build the embedded target; `hf`: a local HF dir.")
+    model_path: str | None = Field(
+        None, description="HF model directory (kind=hf); on the GPU host when the stages run there."
+    )
+    shape: TargetShape | None = Field(
+        None, description="Shape facts used when model_path is not readable here (disk estimate, layer defaults)."
+    )
+    tiny: TinyTargetConfig = Field(default_factory=TinyTargetConfig, description="Tiny target settings (kind=tiny).")
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        max_length=8,
+        description="Aux hidden-state layer ids in SGLang's convention (id k = output of decoder layer k); "
+        "None = SGLang's default for the architecture.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Target dtype: auto = bfloat16 on CUDA, float32 on CPU."
+    )
+
+    @model_validator(mode="after")
+    def _hf_needs_path(self) -> TargetConfig:
+        if self.kind == "hf" and not self.model_path:
+            raise ValueError("target.model_path is required when target.kind is 'hf'")
+        if self.aux_layer_ids is not None and any(i < -1 for i in self.aux_layer_ids):
+            raise ValueError("target.aux_layer_ids: ids must be >= -1 (-1 = the embeddings)")
+        return self
+
+
+# --------------------------------------------------------------------------- data
+
+
+class RegenerateConfig(StrictModel):
+    """Regenerating responses with the target, so training sees the target's own distribution."""
+
+    enabled: bool = Field(True, description="Regenerate responses with the target (recommended).")
+    backend: Literal["local", "http"] = Field(
+        "local", description="`local`: HF generate in-process; `http`: an SGLang/OpenAI-compatible endpoint."
+    )
+    endpoint: str | None = Field(None, description="Base URL of the OpenAI-compatible server (backend=http).")
+    api_key: SecretStr | None = Field(None, description="Bearer token for the endpoint; use ${ENV_VAR}.")
+    model: str | None = Field(None, description="Served model name sent in requests (backend=http).")
+    concurrency: int = Field(8, ge=1, le=4096, description="Requests in flight (backend=http).")
+    retries: int = Field(3, ge=0, le=50, description="Retries per request on transient errors.")
+    timeout_s: float = Field(120.0, gt=0, le=36000, description="Per-request timeout in seconds.")
+    temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature for regeneration.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(128, ge=1, le=131072, description="Response length cap.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Prompts per local generate call (backend=local).")
+
+    @model_validator(mode="after")
+    def _http_needs_endpoint(self) -> RegenerateConfig:
+        if self.backend == "http" and not self.endpoint:
+            raise ValueError("data.regenerate.endpoint is required when data.regenerate.backend is 'http'")
+        return self
+
+
+class DataConfig(StrictModel):
+    """Prompts, regeneration, tokenization and hidden-state storage."""
+
+    prompts: str = Field(
+        "builtin", min_length=1, description="`builtin` (prompts made from local text) or a .jsonl path."
+    )
+    num_samples: int = Field(512, ge=1, le=100_000_000, description="Conversations to use.")
+    max_length: int = Field(256, ge=16, le=1_048_576, description="Tokens per sample after the chat template.")
+    validation_fraction: float = Field(0.1, ge=0, lt=1, description="Share of samples held out for validation.")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="Response regeneration.")
+    hidden_states: Literal["offline", "online"] = Field(
+        "offline", description="`offline`: dump to sharded safetensors; `online`: computed inside training."
+    )
+    shard_size: int = Field(256, ge=1, le=1_000_000, description="Samples per offline hidden-state shard.")
+    draft_vocab_size: int = Field(
+        1024, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
+    )
+    seed: int = Field(0, ge=0, description="Seed for prompt sampling and splits.")
+
+
+# --------------------------------------------------------------------------- train
+
+
+class DraftShapeConfig(StrictModel):
+    """Draft decoder-layer shape; None = take the target's value."""
+
+    hidden_size: int | None = Field(None, ge=8, le=65536, description="Draft hidden width.")
+    intermediate_size: int | None = Field(None, ge=8, le=262144, description="Draft MLP width.")
+    num_attention_heads: int | None = Field(None, ge=1, le=256, description="Draft attention heads.")
+    num_key_value_heads: int | None = Field(None, ge=1, le=256, description="Draft KV heads.")
+    head_dim: int | None = Field(None, ge=4, le=1024, description="Draft head dimension.")
+
+
+class TrainConfig(StrictModel):
+    """EAGLE-3 training-time-test (TTT) training of the draft."""
+
+    ttt_steps: int = Field(7, ge=1, le=32, description="Training-time-test unroll length.")
+    step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is step_decay**k.")
+    epochs: int = Field(1, ge=1, le=10_000, description="Passes over the training split.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    batch_size: int = Field(8, ge=1, le=65536, description="Sequences per micro-batch per device.")
+    grad_accum: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
+    lr: float = Field(1e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    warmup_ratio: float = Field(0.015, ge=0, lt=1, description="Share of steps with linear warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
+    grad_clip: float = Field(0.5, gt=0, le=1e6, description="Max global grad norm.")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, fp32 on CPU.")
+    seed: int = Field(0, ge=0, description="Seed for init, shuffling and dropout.")
+    checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
+    eval_every: int = Field(200, ge=1, description="Optimizer steps between validation passes.")
+    log_every: int = Field(10, ge=1, description="Optimizer steps between metric reports.")
+    devices: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per node, launched with torchrun when > 1.")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-device strategy.")
+    draft: DraftShapeConfig = Field(default_factory=DraftShapeConfig, description="Draft layer shape.")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> TrainConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError("train.betas: each beta must be in [0, 1)")
+        return self
+
+
+# --------------------------------------------------------------------------- export
+
+
+class ExportConfig(StrictModel):
+    """Checkpoint formats written after training."""
+
+    formats: list[Literal["sglang", "speculators"]] = Field(
+        default_factory=lambda: ["sglang"], min_length=1, description="Formats to write."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Weight dtype on disk.")
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="MLflow registered model name for the export."
+    )
