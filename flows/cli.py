@@ -1,0 +1,168 @@
+"""`eagleops` command line: validate, run and list experiments.
+
+Exit codes: 0 ok, 2 bad input (config, flags, run directory), 1 a stage failed.
+Prefect and MLflow are imported only by the commands that need them, so `validate` and
+`--version` answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+
+# Telemetry off before Prefect or MLflow is imported (DO_NOT_TRACK covers Prefect's client,
+# PREFECT_SERVER_ANALYTICS_ENABLED its ephemeral server, MLFLOW_DISABLE_TELEMETRY MLflow).
+for _key, _value in {
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, masked_yaml  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 draft pipeline: data, training, export, SGLang deploy, benchmark.")
+out = Console()
+err = Console(stderr=True)
+
+BAD_INPUT, STAGE_FAILED = 2, 1
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from tasks.tracking import eagleops_version
+
+        out.print(f"eagleops {eagleops_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(False, "--version", callback=_version_callback, is_eager=True, help="Print the version."),
+) -> None:
+    """eagleops."""
+
+
+def _fail_config(error: ConfigError) -> None:
+    for message in error.messages:
+        err.print(f"[red]error[/red] {message}", highlight=False, markup=True, soft_wrap=True)
+    raise typer.Exit(BAD_INPUT)
+
+
+@app.command()
+def validate(config: Path = typer.Argument(..., help="Experiment or sweep YAML.")) -> None:
+    """Validate a config and print it resolved (defaults filled, ${ENV} expanded, secrets masked)."""
+    try:
+        if is_sweep(config):
+            for name, cfg in load_sweep(config):
+                out.rule(name)
+                out.print(Syntax(masked_yaml(cfg), "yaml"))
+            return
+        out.print(Syntax(masked_yaml(load_experiment(config)), "yaml"))
+    except ConfigError as error:
+        _fail_config(error)
+    err.print(f"[green]ok[/green] {config}")
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="Experiment or sweep YAML."),
+    stages: Optional[str] = typer.Option(None, help="Comma-separated stages to run, e.g. check_environment,generate_data."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Resume this run directory; completed stages with unchanged inputs are skipped."),
+    variant: Optional[int] = typer.Option(None, help="For a sweep file: run only this grid point (default: all)."),
+) -> None:
+    """Run the experiment flow (ephemeral Prefect unless PREFECT_API_URL points at a server)."""
+    from tasks.pipeline import STAGES
+
+    selected = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
+    unknown = sorted(set(selected or []) - set(STAGES))
+    if unknown:
+        err.print(f"[red]error[/red] --stages: unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+        raise typer.Exit(BAD_INPUT)
+    if run_dir is not None and not (run_dir / "manifest.json").is_file():
+        err.print(f"[red]error[/red] --run-dir: {run_dir} is not a run directory (no manifest.json)")
+        raise typer.Exit(BAD_INPUT)
+    try:
+        variants = _variants(config, variant)
+    except ConfigError as error:
+        _fail_config(error)
+    if run_dir is not None and len(variants) > 1:
+        err.print("[red]error[/red] --run-dir resumes one run: pick a sweep grid point with --variant")
+        raise typer.Exit(BAD_INPUT)
+    for index in variants:
+        _run_one(config, selected, run_dir, index)
+
+
+def _variants(config: Path, variant: int | None) -> list[int | None]:
+    if not is_sweep(config):
+        load_experiment(config, variant)
+        return [None]
+    count = len(load_sweep(config))
+    if variant is not None:
+        load_experiment(config, variant)
+        return [variant]
+    return list(range(count))
+
+
+def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
+    from flows.experiment import eagle3_experiment
+    from tasks.pipeline import StageFailed
+
+    try:
+        state = eagle3_experiment(
+            str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant, return_state=True
+        )
+        result = state.result()
+    except StageFailed as failure:
+        err.print(f"[red]stage failed[/red] {failure}")
+        raise typer.Exit(STAGE_FAILED)
+    except ValueError as error:  # bad --run-dir contents, unknown stage
+        err.print(f"[red]error[/red] {error}")
+        raise typer.Exit(BAD_INPUT)
+    table = Table(title=f"{config} -> {result['run_dir']}")
+    table.add_column("stage")
+    table.add_column("status")
+    for name, status in result["stages"].items():
+        table.add_row(name, str(status))
+    out.print(table)
+    out.print(f"MLflow parent run: {result['mlflow_run_id']}")
+
+
+@app.command()
+def runs(
+    tracking_uri: Optional[str] = typer.Option(None, help="MLflow URI; default sqlite:///runs/mlflow.db."),
+    experiment: Optional[str] = typer.Option(None, help="Only this MLflow experiment."),
+    limit: int = typer.Option(20, min=1, max=1000, help="How many runs."),
+) -> None:
+    """List recent experiment runs from MLflow, newest first."""
+    from tasks.tracking import default_tracking_uri, recent_runs
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        err.print(f"no MLflow store at {uri} yet: run an experiment first")
+        return
+    table = Table(title=f"eagleops runs ({uri})")
+    for column in ("started", "experiment", "run", "status", "config", "headline"):
+        table.add_column(column)
+    for row in recent_runs(uri, experiment, limit):
+        started = datetime.fromtimestamp(row["start_time"] / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M")
+        headline = ", ".join(f"{k}={v:.4g}" for k, v in list(_headline(row["metrics"]).items())[:4])
+        table.add_row(started, row["experiment"], row["run_name"], row["status"], row["config_hash"], headline)
+    out.print(table)
+
+
+def _headline(metrics: dict[str, float]) -> dict[str, float]:
+    """Metrics worth a glance first: accept lengths and throughput, then wall times."""
+    keys = sorted(metrics, key=lambda k: (not any(w in k for w in ("accept", "tok_s", "speedup")), k))
+    return {k: metrics[k] for k in keys}
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,50 @@
+"""The EAGLE-3 experiment flow: the pipeline diagram in code.
+
+    check_environment -> generate_data -> train_draft -> export_checkpoint
+                      -> deploy_server -> run_benchmark -> report
+
+Each stage is a Prefect task in `tasks/`; `Pipeline` (tasks/pipeline.py) gives each one its
+run-directory folder and MLflow child run, skips stages that completed earlier with the same
+inputs, and stops the run at the first failure.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from tasks.config import load_experiment
+from tasks.env import check_environment
+from tasks.pipeline import Pipeline
+from tasks.report import report
+
+
+@flow(name="eagle3-experiment", log_prints=True)
+def eagle3_experiment(
+    config_path: str, stages: list[str] | None = None, run_dir: str | None = None, variant: int | None = None
+) -> dict:
+    """Run (or resume, with run_dir) one experiment; `stages` limits which stages execute.
+
+    `variant` picks one grid point when config_path is a sweep file.
+    """
+    cfg = load_experiment(config_path, variant)
+    pipeline = Pipeline(cfg, config_path, stages, run_dir, flow_run_id=str(flow_run.id))
+    try:
+        # 1. can this machine run the experiment? a fail stops here, before anything expensive
+        pipeline.run_stage(check_environment)
+        # 2. prompts -> target answers -> chat template + loss mask -> hidden states, draft vocab
+        pipeline.run_pending("generate_data", "the EAGLE-3 data stage is not built yet")
+        # 3. training-time-test training of the draft
+        pipeline.run_pending("train_draft", "draft training is not built yet")
+        # 4. SGLang (and vLLM speculators) checkpoint + validation
+        pipeline.run_pending("export_checkpoint", "checkpoint export is not built yet")
+        # 5. copy the draft to the serving host and start the server
+        pipeline.run_pending("deploy_server", "SSH deployment of SGLang is not built yet")
+        # 6. timed generations: baseline vs speculative, online vs offline accept length
+        pipeline.run_pending("run_benchmark", "benchmarking is not built yet")
+        # 7. one table of everything
+        pipeline.run_stage(report)
+    except BaseException:
+        pipeline.finish("FAILED")
+        raise
+    return pipeline.finish("FINISHED")
