@@ -313,9 +313,22 @@ def _format_error(error: dict, shown: str, lines: dict[tuple, int]) -> str:
     loc = tuple(error["loc"])
     field = ".".join(str(p) for p in loc)
     reason = _reason(error, loc)
-    if reason.startswith(field + " ") or (field and reason.startswith(field + ":")) or not field:
-        return f"{shown}:{_line_of(loc, lines)}: {reason}"
-    return f"{shown}:{_line_of(loc, lines)}: {field}: {reason}"
+    line = _line_of(loc, lines)
+    if error["type"] == "value_error":
+        line = _line_of_named_field(reason, lines) or line
+    if not field or any(reason.startswith(field + sep) for sep in (" ", ":", ".")):
+        return f"{shown}:{line}: {reason}"
+    return f"{shown}:{line}: {field}: {reason}"
+
+
+def _line_of_named_field(reason: str, lines: dict[tuple, int]) -> int | None:
+    """Cross-field rules name their fields ("deploy.host '...' is ..."): point at the first one present."""
+    leading = re.match(r"^([a-z_]+):", reason)
+    for dotted in ([leading.group(1)] if leading else []) + re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", reason):
+        path = tuple(dotted.split("."))
+        if path in lines:
+            return lines[path]
+    return None
 
 
 def _reason(error: dict, loc: tuple) -> str:

@@ -1,0 +1,34 @@
+# Two commands set up a fresh machine: `make demo` runs the pipeline end to end on the
+# embedded tiny default (CPU), `make test` runs the test suite. Both create or reuse .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PREFECT_HOME ?= $(CURDIR)/.prefect-home
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export DO_NOT_TRACK ?= true
+export MLFLOW_DISABLE_TELEMETRY ?= true
+
+.PHONY: install demo test test-fast clean
+
+install: $(STAMP)
+
+# torch is pinned to the local CPU build (requirements-ci.txt) so a CPU machine never pulls
+# a multi-GB CUDA wheel; GPU hosts install eagleops[serve] with their own torch.
+$(STAMP): pyproject.toml requirements-ci.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-ci.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/eagleops run configs/tiny.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf runs .prefect-home .pytest_cache

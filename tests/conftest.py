@@ -1,0 +1,53 @@
+"""Session-wide test environment: telemetry off, Prefect home and MLflow stores in tmp dirs.
+
+The Prefect test harness (a real Prefect API server on a free port, ~20 s to start on two
+cores) is session-scoped and started only by tests that ask for `prefect_harness`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_SESSION_HOME = Path(tempfile.mkdtemp(prefix="eagleops-tests-"))
+os.environ.update(
+    {
+        "PREFECT_HOME": str(_SESSION_HOME / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        # Task cache records and results must not leak between sessions (they live in PREFECT_HOME).
+        "PREFECT_TASKS_REFRESH_CACHE": "true",
+    }
+)
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
