@@ -191,3 +191,10 @@ def test_failing_check_stops_the_flow_and_exits_1(prefect_harness, runs_root, tm
 
     result = CliRunner().invoke(app, ["run", str(config), "--stages", "check_environment"])
     assert result.exit_code == 1, result.output
+
+
+def test_runs_lists_the_experiment_run(first_run, runs_root):
+    _, result = first_run
+    listed = CliRunner().invoke(app, ["runs", "--tracking-uri", f"sqlite:///{runs_root / 'mlflow.db'}", "--experiment", "envflow"])
+    assert listed.exit_code == 0, listed.output
+    assert "envflow" in listed.output and "FINISHED" in listed.output
