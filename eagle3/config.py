@@ -25,24 +25,38 @@ class StrictModel(BaseModel):
 class TinyTargetConfig(StrictModel):
     """Shape and training budget of the embedded tiny target (built locally, never downloaded)."""
 
-    vocab_size: int = Field(2048, ge=300, le=65536, description="BPE vocabulary size of the tiny tokenizer.")
-    hidden_size: int = Field(256, ge=16, le=4096, description="Hidden width of the tiny Llama.")
-    intermediate_size: int = Field(688, ge=16, le=16384, description="MLP width of the tiny Llama.")
+    vocab_size: int = Field(1024, ge=300, le=65536, description="BPE vocabulary size of the tiny tokenizer.")
+    hidden_size: int = Field(
+        64, ge=16, le=4096, description="Hidden width of the tiny Llama (small: a 3-minute CPU budget favours tokens over width)."
+    )
+    intermediate_size: int = Field(176, ge=16, le=16384, description="MLP width of the tiny Llama.")
     num_hidden_layers: int = Field(
         8, ge=7, le=64, description="Decoder layers; >= 7 so SGLang's default aux layers are three distinct ones."
     )
-    num_attention_heads: int = Field(4, ge=1, le=64, description="Attention heads.")
-    num_key_value_heads: int = Field(2, ge=1, le=64, description="KV heads (GQA); must divide the attention heads.")
+    num_attention_heads: int = Field(2, ge=1, le=64, description="Attention heads.")
+    num_key_value_heads: int = Field(1, ge=1, le=64, description="KV heads (GQA); must divide the attention heads.")
     max_position_embeddings: int = Field(1024, ge=64, le=131072, description="Context length of the tiny target.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
     corpus_max_bytes: int = Field(
-        4_000_000, ge=10_000, le=500_000_000, description="Bytes of Python stdlib source used as training corpus."
+        2_500_000, ge=10_000, le=500_000_000, description="Bytes of Python stdlib source used as training corpus."
     )
-    train_steps: int = Field(600, ge=1, le=1_000_000, description="Optimizer steps for the tiny target.")
+    train_steps: int = Field(300, ge=1, le=1_000_000, description="Optimizer steps for the tiny target.")
     batch_size: int = Field(16, ge=1, le=4096, description="Sequences per step when training the tiny target.")
     seq_len: int = Field(256, ge=16, le=8192, description="Tokens per training sequence of the tiny target.")
-    lr: float = Field(3e-3, gt=0, le=1, description="Peak learning rate of the tiny target.")
+    lr: float = Field(6e-3, gt=0, le=1, description="Peak learning rate of the tiny target (warmup 5%, cosine to 10%).")
     seed: int = Field(0, ge=0, description="Seed for the tiny target's tokenizer and weights.")
+    chat_fraction: float = Field(
+        0.5, ge=0, le=1, description="Share of each batch that is chat-formatted (snippet prompt -> its continuation)."
+    )
+    eval_tokens: int = Field(
+        32768, ge=64, le=10_000_000, description="Held-out stdlib tokens (never trained on) scored into eval.json."
+    )
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Training math: auto = bf16 autocast where the CPU has native bf16, else fp32."
+    )
+    num_threads: int = Field(
+        0, ge=0, le=1024, description="Torch CPU threads while building (0 = all usable cores); not in the cache key."
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyTargetConfig:
@@ -114,6 +128,9 @@ class RegenerateConfig(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(128, ge=1, le=131072, description="Response length cap.")
     batch_size: int = Field(16, ge=1, le=4096, description="Prompts per local generate call (backend=local).")
+    backoff_s: float = Field(
+        1.0, ge=0, le=600, description="First retry delay in seconds (backend=http); doubles per retry, capped at 60 s."
+    )
 
     @model_validator(mode="after")
     def _http_needs_endpoint(self) -> RegenerateConfig:
@@ -135,11 +152,23 @@ class DataConfig(StrictModel):
     hidden_states: Literal["offline", "online"] = Field(
         "offline", description="`offline`: dump to sharded safetensors; `online`: computed inside training."
     )
-    shard_size: int = Field(256, ge=1, le=1_000_000, description="Samples per offline hidden-state shard.")
+    shard_size: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="Samples per offline hidden-state shard; a shard is built in RAM "
+        "(about shard_size x max_length x 4 x H x 2 bytes in bf16), so lower it for large targets.",
+    )
     draft_vocab_size: int = Field(
         1024, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
     )
     seed: int = Field(0, ge=0, description="Seed for prompt sampling and splits.")
+    hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="Dtype of the offline hidden-state dump (2 bytes/value for bf16/fp16)."
+    )
+    capture_batch_size: int = Field(
+        8, ge=1, le=4096, description="Samples per target forward when capturing hidden states."
+    )
 
 
 # --------------------------------------------------------------------------- train
@@ -148,7 +177,13 @@ class DataConfig(StrictModel):
 class DraftShapeConfig(StrictModel):
     """Draft decoder-layer shape; None = take the target's value."""
 
-    hidden_size: int | None = Field(None, ge=8, le=65536, description="Draft hidden width.")
+    hidden_size: int | None = Field(
+        None,
+        ge=8,
+        le=65536,
+        description="Draft hidden width; a width other than the target's cannot share the target's frozen "
+        "embedding, so the draft then trains and exports its own.",
+    )
     intermediate_size: int | None = Field(None, ge=8, le=262144, description="Draft MLP width.")
     num_attention_heads: int | None = Field(None, ge=1, le=256, description="Draft attention heads.")
     num_key_value_heads: int | None = Field(None, ge=1, le=256, description="Draft KV heads.")
@@ -177,6 +212,20 @@ class TrainConfig(StrictModel):
     log_every: int = Field(10, ge=1, description="Optimizer steps between metric reports.")
     devices: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per node, launched with torchrun when > 1.")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-device strategy.")
+    attention: Literal["fast", "dense"] = Field(
+        "fast",
+        description="TTT attention: `fast` = causal flash + analytic diagonal merge; `dense` = SDPA with the "
+        "dense EAGLE-3 mask (reference, O(ttt_steps * T^2) memory).",
+    )
+    compile: bool = Field(True, description="torch.compile the draft layer and loss chunks on CUDA (ignored on CPU).")
+    loss_chunk_tokens: int = Field(
+        8192, ge=16, le=1_048_576, description="Rows per chunk of the teacher logits and of the fused draft loss."
+    )
+    num_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per rank.")
+    keep_checkpoints: int = Field(2, ge=1, le=1000, description="Most recent step checkpoints kept on disk.")
+    eval_max_batches: int | None = Field(
+        None, ge=1, description="Validation batches per rank per evaluation; None = the whole split."
+    )
     draft: DraftShapeConfig = Field(default_factory=DraftShapeConfig, description="Draft layer shape.")
 
     @model_validator(mode="after")
@@ -198,4 +247,10 @@ class ExportConfig(StrictModel):
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Weight dtype on disk.")
     registered_model: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="MLflow registered model name for the export."
+    )
+    speculative_tokens: int = Field(
+        3, ge=1, le=16, description="Draft tokens per step written to the speculators config (vLLM's default k)."
+    )
+    verifier_name_or_path: str | None = Field(
+        None, min_length=1, description="Verifier named in the speculators config; None = the target directory."
     )

@@ -7,6 +7,7 @@ Prefect and MLflow are imported only by the commands that need them, so `validat
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -140,6 +141,7 @@ def runs(
     tracking_uri: Optional[str] = typer.Option(None, help="MLflow URI; default sqlite:///runs/mlflow.db."),
     experiment: Optional[str] = typer.Option(None, help="Only this MLflow experiment."),
     limit: int = typer.Option(20, min=1, max=1000, help="How many runs."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON lines instead of a table."),
 ) -> None:
     """List recent experiment runs from MLflow, newest first."""
     from tasks.tracking import default_tracking_uri, recent_runs
@@ -148,10 +150,15 @@ def runs(
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
         err.print(f"no MLflow store at {uri} yet: run an experiment first")
         return
+    rows = recent_runs(uri, experiment, limit)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
     table = Table(title=f"eagleops runs ({uri})")
     for column in ("started", "experiment", "run", "status", "config", "headline"):
         table.add_column(column)
-    for row in recent_runs(uri, experiment, limit):
+    for row in rows:
         started = datetime.fromtimestamp(row["start_time"] / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M")
         headline = ", ".join(f"{k}={v:.4g}" for k, v in list(_headline(row["metrics"]).items())[:4])
         table.add_row(started, row["experiment"], row["run_name"], row["status"], row["config_hash"], headline)

@@ -14,9 +14,12 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from tasks.config import load_experiment
+from tasks.data import generate_data
 from tasks.env import check_environment
+from tasks.export import export_checkpoint
 from tasks.pipeline import Pipeline
 from tasks.report import report
+from tasks.train import train_draft
 
 
 @flow(name="eagle3-experiment", log_prints=True)
@@ -33,11 +36,11 @@ def eagle3_experiment(
         # 1. can this machine run the experiment? a fail stops here, before anything expensive
         pipeline.run_stage(check_environment)
         # 2. prompts -> target answers -> chat template + loss mask -> hidden states, draft vocab
-        pipeline.run_pending("generate_data", "the EAGLE-3 data stage is not built yet")
+        pipeline.run_stage(generate_data)
         # 3. training-time-test training of the draft
-        pipeline.run_pending("train_draft", "draft training is not built yet")
+        pipeline.run_stage(train_draft)
         # 4. SGLang (and vLLM speculators) checkpoint + validation
-        pipeline.run_pending("export_checkpoint", "checkpoint export is not built yet")
+        pipeline.run_stage(export_checkpoint)
         # 5. copy the draft to the serving host and start the server
         pipeline.run_pending("deploy_server", "SSH deployment of SGLang is not built yet")
         # 6. timed generations: baseline vs speculative, online vs offline accept length

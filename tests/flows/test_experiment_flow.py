@@ -160,7 +160,7 @@ def test_resume_skips_a_completed_stage_and_reruns_a_changed_one(first_run, runs
     run_dir = Path(result["run_dir"])
     before = json.loads((run_dir / "manifest.json").read_text())["stages"]["check_environment"]
 
-    again = eagle3_experiment(str(config), run_dir=str(run_dir))
+    again = eagle3_experiment(str(config), run_dir=str(run_dir), stages=["check_environment"])
     after = json.loads((run_dir / "manifest.json").read_text())
     assert after["stages"]["check_environment"]["mlflow_run_id"] == before["mlflow_run_id"]
     assert after["stages"]["check_environment"]["finished"] == before["finished"]
@@ -168,7 +168,7 @@ def test_resume_skips_a_completed_stage_and_reruns_a_changed_one(first_run, runs
     assert len(after["prefect_flow_run_ids"]) == 2
 
     changed = write_config(tmp_path, "envflow", runs_root, ttt=5)  # train section feeds the env check
-    third = eagle3_experiment(str(changed), run_dir=str(run_dir))
+    third = eagle3_experiment(str(changed), run_dir=str(run_dir), stages=["check_environment"])
     final = json.loads((run_dir / "manifest.json").read_text())
     assert final["stages"]["check_environment"]["mlflow_run_id"] != before["mlflow_run_id"]
     assert third["mlflow_run_id"] != result["mlflow_run_id"]
@@ -195,6 +195,11 @@ def test_failing_check_stops_the_flow_and_exits_1(prefect_harness, runs_root, tm
 
 def test_runs_lists_the_experiment_run(first_run, runs_root):
     _, result = first_run
-    listed = CliRunner().invoke(app, ["runs", "--tracking-uri", f"sqlite:///{runs_root / 'mlflow.db'}", "--experiment", "envflow"])
+    uri = f"sqlite:///{runs_root / 'mlflow.db'}"
+    listed = CliRunner().invoke(app, ["runs", "--tracking-uri", uri, "--experiment", "envflow", "--json"])
     assert listed.exit_code == 0, listed.output
-    assert "envflow" in listed.output and "FINISHED" in listed.output
+    rows = [json.loads(line) for line in listed.output.splitlines()]
+    assert result["mlflow_run_id"] in {r["run_id"] for r in rows}
+    assert all(r["experiment"] == "envflow" for r in rows)
+    table = CliRunner().invoke(app, ["runs", "--tracking-uri", uri], env={"COLUMNS": "250"})
+    assert table.exit_code == 0 and "envflow" in table.output

@@ -1,0 +1,923 @@
+"""Training data for the draft: prompts -> target responses -> chat tokens + loss mask ->
+draft vocab -> target hidden states (offline shards) or nothing (online).
+
+Owns the on-disk dataset and the contract the trainer reads:
+- `samples.jsonl`: one sample per line, `{"id", "split", "messages", "input_ids", "loss_mask"}`.
+- `hidden_states/` (offline): safetensors shards, each packing its samples back to back
+  (`input_ids` [N_tok] int64, `loss_mask` [N_tok] uint8, `lengths` [N] int64, `sample_ids` [N]
+  int64, `aux_hidden_states` [N_tok, k*H], `last_hidden_states` [N_tok, H]) + `manifest.json`.
+- `vocab/`: the draft vocabulary (eagle3.vocab).
+- `HiddenStateDataset` / `TokenizedDataset` + `collate_hidden_states`, `TargetFeatureExtractor`
+  (online mode, from eagle3.capture) and `load_target_head` (teacher logits).
+
+Risks: disk (4 * H * 2 bytes per token in bf16, reference eagle3-training.md (e).4), hence the
+estimate and free-space check before writing; and kills mid-dump, hence tmp + atomic rename,
+sha256 per shard and resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+from transformers import AutoTokenizer, GenerationConfig
+
+from eagle3.capture import TargetFeatureExtractor, aux_ids_to_hf_indices, default_aux_layer_ids
+from eagle3.chat import Message, chat_template_sha256, render_chat, tokenize_chat, turn_stop_ids, validate_messages
+from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
+from eagle3.tiny_target import heldout_corpus, load_target, sample_chat_examples
+from eagle3.vocab import build_or_load_draft_vocab
+
+__all__ = [
+    "HiddenStateDataset",
+    "InsufficientDiskSpaceError",
+    "TargetFeatureExtractor",
+    "TokenizedDataset",
+    "collate_hidden_states",
+    "estimate_hidden_state_bytes",
+    "generate_dataset",
+    "load_target_head",
+]
+
+ProgressFn = Callable[[str, int, int], None]
+LogFn = Callable[[str], None]
+SAMPLES_FILE = "samples.jsonl"
+SAMPLES_META = "samples.meta.json"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _noop_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def builtin_conversations(num_samples: int, seed: int) -> list[list[Message]]:
+    """Deterministic single-turn chats from stdlib files the tiny target never trained on.
+
+    Half "Continue this Python code:" snippets, half docstring -> function prompts; each
+    carries the true continuation as its assistant message (used when regeneration is off).
+    """
+    return [ex.messages() for ex in sample_chat_examples(heldout_corpus(), num_samples, seed)]
+
+
+def _record_messages(record: object, where: str) -> list[Message]:
+    """Messages of one jsonl record: {"prompt": str} or {"messages": [...]}."""
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return [{"role": "user", "content": record["prompt"]}]
+    if isinstance(record, dict) and "messages" in record:
+        return validate_messages(record["messages"], where)
+    raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}, got {str(record)[:120]!r}")
+
+
+def read_prompts_jsonl(path: Path) -> list[list[Message]]:
+    """All conversations in a .jsonl file; a bad line raises ValueError naming file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file not found: {path}")
+    conversations = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
+            conversations.append(_record_messages(record, where))
+    if not conversations:
+        raise ValueError(f"{path}: no prompts")
+    return conversations
+
+
+def load_conversations(data_cfg: DataConfig, log: LogFn = print) -> list[list[Message]]:
+    """data.prompts -> up to num_samples conversations (a seeded subset when the file has more)."""
+    if data_cfg.prompts == "builtin":
+        return builtin_conversations(data_cfg.num_samples, data_cfg.seed)
+    conversations = read_prompts_jsonl(Path(data_cfg.prompts))
+    if len(conversations) > data_cfg.num_samples:
+        keep = sorted(random.Random(data_cfg.seed).sample(range(len(conversations)), data_cfg.num_samples))
+        conversations = [conversations[i] for i in keep]
+    elif len(conversations) < data_cfg.num_samples:
+        log(f"data: {data_cfg.prompts} has {len(conversations)} conversations (< num_samples={data_cfg.num_samples})")
+    return conversations
+
+
+def prompt_part(messages: Sequence[Message], where: str = "conversation") -> list[Message]:
+    """Messages up to and including the last user message: what the target answers anew."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError(f"{where}: no user message to answer")
+    return list(messages[: last_user + 1])
+
+
+# --------------------------------------------------------------------------- regeneration
+
+
+class RegenerationLog:
+    """Append-only record of finished responses, so a killed regeneration resumes where it stopped.
+
+    File lines are {"i": prompt index, "response": str}; the file name carries the run's
+    fingerprint, so answers from other settings or another target are never mixed in.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.done: dict[int, str] = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a kill; everything before it is valid
+                self.done[int(entry["i"])] = entry["response"]
+        self._lock = threading.Lock()
+        self._fh = path.open("a", encoding="utf-8")
+
+    def add(self, index: int, response: str) -> None:
+        with self._lock:
+            self.done[index] = response
+            self._fh.write(json.dumps({"i": index, "response": response}) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _local_generation_config(rcfg: RegenerateConfig, max_new_tokens: int, stop_ids: list[int], pad_id: int):
+    """Greedy at temperature 0, else sampling with temperature/top_p."""
+    sampling = rcfg.temperature > 0
+    return GenerationConfig(
+        do_sample=sampling,
+        temperature=rcfg.temperature if sampling else None,
+        top_p=rcfg.top_p if sampling else None,
+        top_k=None,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+    )
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompt ids for batched generation. -> input_ids, attention_mask [B, T]"""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids) -> list[str]:
+    """One batched HF generate call; each answer is cut at its first stop token."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    ids, mask = _left_pad(rows, pad_id)
+    device = next(model.parameters()).device
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        generation_config=_local_generation_config(rcfg, max_new, stop_ids, pad_id),
+    )
+    answers = []
+    for row in out[:, ids.shape[1] :].tolist():
+        cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
+        answers.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return answers
+
+
+def regenerate_local(
+    model, tokenizer, prompts: list[list[Message]], rcfg: RegenerateConfig, max_length: int,
+    stop_ids: list[int], record: RegenerationLog, progress: ProgressFn, seed: int = 0,
+) -> None:
+    """Answer every prompt not yet in `record` with HF generate, in length-sorted batches.
+
+    Prompts of >= max_length tokens get "" (they would leave no room for an answer and are
+    dropped later); new tokens are capped so prompt + answer fits max_length.
+    """
+    if rcfg.temperature > 0:
+        torch.manual_seed(seed)
+    rendered = [render_chat(tokenizer, p, add_generation_prompt=True) for p in prompts]
+    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    todo = [i for i in range(len(prompts)) if i not in record.done]
+    for i in [i for i in todo if len(prompt_ids[i]) >= max_length]:
+        record.add(i, "")
+    todo = sorted((i for i in todo if len(prompt_ids[i]) < max_length), key=lambda i: len(prompt_ids[i]))
+    progress("regenerate", len(prompts) - len(todo), len(prompts))
+    for b in range(0, len(todo), rcfg.batch_size):
+        batch = todo[b : b + rcfg.batch_size]
+        rows = [prompt_ids[i] for i in batch]
+        max_new = min(rcfg.max_new_tokens, max_length - min(len(r) for r in rows))
+        for i, answer in zip(batch, _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids), strict=True):
+            record.add(i, answer)
+        progress("regenerate", len(prompts) - len(todo) + b + len(batch), len(prompts))
+
+
+def chat_completions_url(endpoint: str) -> str:
+    """OpenAI-compatible chat URL for a base URL with or without a trailing /v1."""
+    base = endpoint.rstrip("/")
+    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+
+
+def _is_transient(exc: Exception) -> bool:
+    """Timeouts, connection errors, 5xx and 429 are retried; other errors are not."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code >= 500 or exc.response.status_code == 429
+    return isinstance(exc, (httpx.TimeoutException, httpx.TransportError))
+
+
+def post_chat_completion(
+    client: httpx.Client, url: str, payload: dict, rcfg: RegenerateConfig, log: LogFn, sleep=time.sleep
+) -> str:
+    """POST one chat completion with retries (exponential backoff) on transient errors.
+
+    The Authorization header lives on the client; nothing here logs headers.
+    """
+    for attempt in range(rcfg.retries + 1):
+        try:
+            response = client.post(url, json=payload)
+            response.raise_for_status()
+            content = response.json()["choices"][0]["message"]["content"]
+            if not isinstance(content, str):
+                raise ValueError(f"POST {url}: response has no message content")
+            return content
+        except (httpx.HTTPStatusError, httpx.TimeoutException, httpx.TransportError) as exc:
+            status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else type(exc).__name__
+            if not _is_transient(exc) or attempt == rcfg.retries:
+                body = exc.response.text[:300] if isinstance(exc, httpx.HTTPStatusError) else str(exc)[:300]
+                raise RuntimeError(f"POST {url} failed after {attempt + 1} attempt(s): {status} {body}") from exc
+            delay = min(rcfg.backoff_s * 2**attempt, 60.0)
+            log(f"regenerate: POST {url} -> {status}; retry {attempt + 1}/{rcfg.retries} in {delay:.2f}s")
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def regenerate_http(
+    prompts: list[list[Message]], rcfg: RegenerateConfig, record: RegenerationLog, progress: ProgressFn, log: LogFn
+) -> None:
+    """Answer every prompt not yet in `record` through /v1/chat/completions, `concurrency` at a time."""
+    url = chat_completions_url(rcfg.endpoint or "")
+    headers = {"Authorization": f"Bearer {rcfg.api_key.get_secret_value()}"} if rcfg.api_key else {}
+    todo = [i for i in range(len(prompts)) if i not in record.done]
+    done = len(prompts) - len(todo)
+    progress("regenerate", done, len(prompts))
+    with httpx.Client(headers=headers, timeout=rcfg.timeout_s) as client, ThreadPoolExecutor(rcfg.concurrency) as pool:
+        futures = {
+            pool.submit(post_chat_completion, client, url, _http_payload(prompts[i], rcfg), rcfg, log): i for i in todo
+        }
+        for future in as_completed(futures):
+            record.add(futures[future], future.result())
+            done += 1
+            progress("regenerate", done, len(prompts))
+
+
+def _http_payload(messages: list[Message], rcfg: RegenerateConfig) -> dict:
+    """OpenAI chat-completions request body."""
+    return {
+        "model": rcfg.model or "default",
+        "messages": messages,
+        "temperature": rcfg.temperature,
+        "top_p": rcfg.top_p,
+        "max_tokens": rcfg.max_new_tokens,
+    }
+
+
+def regeneration_settings(rcfg: RegenerateConfig) -> dict:
+    """The settings that shape the responses, for summaries and fingerprints (no secrets).
+
+    The API key is reduced to a flag and any user:password in the endpoint URL is masked.
+    """
+    settings = rcfg.model_dump(exclude={"api_key"}) | {"api_key_set": rcfg.api_key is not None}
+    if rcfg.endpoint:
+        url = httpx.URL(rcfg.endpoint)
+        settings["endpoint"] = str(url.copy_with(userinfo=b"***")) if url.userinfo else rcfg.endpoint
+    return settings
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def split_ids(num: int, validation_fraction: float, seed: int) -> set[int]:
+    """Seeded choice of validation sample indices (at least 1 when the fraction is > 0 and num > 1)."""
+    n_val = round(num * validation_fraction)
+    if validation_fraction > 0 and num > 1:
+        n_val = min(max(n_val, 1), num - 1)
+    return set(random.Random(seed).sample(range(num), n_val)) if n_val else set()
+
+
+def build_samples(
+    tokenizer, conversations: list[list[Message]], data_cfg: DataConfig, stop_ids: list[int], progress: ProgressFn
+) -> tuple[list[dict], int]:
+    """Tokenize + mask every conversation; drop those with no assistant token; split train/validation.
+
+    Returns (samples, dropped); sample = {"id", "split", "messages", "input_ids", "loss_mask"}.
+    """
+    kept = []
+    for n, messages in enumerate(conversations):
+        tokenized = tokenize_chat(tokenizer, messages, data_cfg.max_length, stop_ids)
+        if tokenized.num_assistant_tokens:
+            kept.append({"messages": messages, "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask})
+        if (n + 1) % 256 == 0 or n + 1 == len(conversations):
+            progress("tokenize", n + 1, len(conversations))
+    validation = split_ids(len(kept), data_cfg.validation_fraction, data_cfg.seed)
+    samples = [{"id": i, "split": "validation" if i in validation else "train", **s} for i, s in enumerate(kept)]
+    return samples, len(conversations) - len(kept)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temp file + rename, so readers never see a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, streamed."""
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_samples(samples: list[dict], path: Path) -> str:
+    """samples.jsonl (atomically); returns its sha256."""
+    _atomic_write_text(path, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    return file_sha256(path)
+
+
+def read_samples(path: Path, split: str | None = None) -> list[dict]:
+    """Samples of samples.jsonl, optionally only one split."""
+    if not path.is_file():
+        raise FileNotFoundError(f"samples file not found: {path}")
+    with path.open(encoding="utf-8") as fh:
+        samples = [json.loads(line) for line in fh if line.strip()]
+    return [s for s in samples if split is None or s["split"] == split]
+
+
+# --------------------------------------------------------------------------- hidden-state shards
+
+
+class InsufficientDiskSpaceError(OSError):
+    """The offline hidden states would not fit on the destination filesystem."""
+
+
+def estimate_hidden_state_bytes(num_tokens: int, hidden_size: int, num_aux: int = 3, dtype_bytes: int = 2) -> int:
+    """Bytes of offline hidden states: tokens x (num_aux aux states + 1 last state) x H x bytes.
+
+    Example: 1M tokens of an H=4096 target, 3 aux, bf16 -> 1e6 * 4 * 4096 * 2 = 32.8 GB.
+    """
+    return num_tokens * (num_aux + 1) * hidden_size * dtype_bytes
+
+
+def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: int, dtype_bytes: int) -> int:
+    """Shard bytes: hidden states + int64 ids + uint8 mask per token + int64 length/id per sample."""
+    return estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype_bytes) + 9 * num_tokens + 16 * num_samples
+
+
+def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
+    """Raise InsufficientDiskSpaceError unless need (+5% and 100 MiB headroom) fits in free space."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    required = int(need * 1.05) + (100 << 20)
+    log(f"hidden states: need {need / 1e9:.3f} GB (+headroom {required / 1e9:.3f} GB), free {free / 1e9:.3f} GB at {directory}")
+    if required > free:
+        raise InsufficientDiskSpaceError(
+            f"offline hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
+            f"but only {free} bytes ({free / 1e9:.3f} GB) are free at {directory}; free space, lower "
+            "data.num_samples / data.max_length, or use data.hidden_states: online"
+        )
+
+
+def plan_shards(samples: list[dict], shard_size: int) -> list[tuple[str, list[dict]]]:
+    """(file name, samples) per shard: each split in id order, shard_size samples per shard."""
+    plan = []
+    for split in ("train", "validation"):
+        members = [s for s in samples if s["split"] == split]
+        for n, start in enumerate(range(0, len(members), shard_size)):
+            plan.append((f"{split}-{n:05d}.safetensors", members[start : start + shard_size]))
+    return plan
+
+
+def _right_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ids with 0. -> input_ids, attention_mask [B, T]"""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def capture_shard(extractor: TargetFeatureExtractor, members: list[dict], batch_size: int, dtype: torch.dtype) -> dict:
+    """Hidden states of one shard's samples, packed back to back (see module docstring)."""
+    aux_parts, last_parts = [], []
+    for b in range(0, len(members), batch_size):
+        rows = [s["input_ids"] for s in members[b : b + batch_size]]
+        ids, mask = _right_pad(rows)
+        aux, last = extractor(ids, mask)  # [B, T, k*H], [B, T, H]
+        for i, r in enumerate(rows):
+            aux_parts.append(aux[i, : len(r)].to("cpu", dtype))
+            last_parts.append(last[i, : len(r)].to("cpu", dtype))
+    return {
+        "input_ids": torch.tensor([t for s in members for t in s["input_ids"]], dtype=torch.long),
+        "loss_mask": torch.tensor([t for s in members for t in s["loss_mask"]], dtype=torch.uint8),
+        "lengths": torch.tensor([len(s["input_ids"]) for s in members], dtype=torch.long),
+        "sample_ids": torch.tensor([s["id"] for s in members], dtype=torch.long),
+        "aux_hidden_states": torch.cat(aux_parts).contiguous(),  # [N_tok, k*H]
+        "last_hidden_states": torch.cat(last_parts).contiguous(),  # [N_tok, H]
+    }
+
+
+def _write_shard(tensors: dict, path: Path) -> tuple[str, int]:
+    """Save to a hidden temp name, then rename: a kill never leaves a partial shard visible."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp))
+    digest = file_sha256(tmp)
+    os.replace(tmp, path)
+    return digest, path.stat().st_size
+
+
+def _verified_shards(directory: Path, fingerprint: str) -> dict[str, dict]:
+    """Shard entries of an earlier run with the same fingerprint whose files still match their sha256."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return {}
+    manifest = json.loads(path.read_text())
+    if manifest.get("fingerprint") != fingerprint:
+        return {}
+    good = {}
+    for entry in manifest.get("shards", []):
+        shard = directory / entry["file"]
+        if shard.is_file() and shard.stat().st_size == entry["bytes"] and file_sha256(shard) == entry["sha256"]:
+            good[entry["file"]] = entry
+    return good
+
+
+def _clear_stale(directory: Path, keep: set[str]) -> None:
+    """Remove shards and temp files not in `keep` (left by a different or killed run)."""
+    for path in directory.glob("*.safetensors"):
+        if path.name not in keep:
+            path.unlink()
+    for path in directory.glob(".*.tmp"):
+        path.unlink()
+
+
+def dump_hidden_states(
+    extractor: TargetFeatureExtractor, samples: list[dict], directory: Path, data_cfg: DataConfig,
+    fingerprint: str, progress: ProgressFn, log: LogFn,
+) -> dict:
+    """Write (or resume) the offline shards + manifest.json; returns a small summary.
+
+    Shards already written by a run with the same fingerprint and intact sha256 are kept;
+    free space is checked for the remaining ones before anything is computed.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = _DTYPES[data_cfg.hidden_states_dtype]
+    plan = plan_shards(samples, data_cfg.shard_size)
+    done = _verified_shards(directory, fingerprint)
+    _clear_stale(directory, set(done))
+    todo = [(name, members) for name, members in plan if name not in done]
+    todo_tokens = sum(len(s["input_ids"]) for _, members in todo for s in members)
+    k, hidden = len(extractor.hf_indices), extractor.hidden_size
+    need = _dump_bytes(todo_tokens, sum(len(m) for _, m in todo), hidden, k, dtype.itemsize)
+    check_disk_space(directory, need, log)
+    manifest = _manifest_header(extractor, data_cfg, fingerprint, samples)
+    entries, written, finished = dict(done), 0, sum(len(m) for name, m in plan if name in done)
+    progress("hidden_states", finished, len(samples))
+    for name, members in plan:
+        if name not in entries:
+            digest, size = _write_shard(capture_shard(extractor, members, data_cfg.capture_batch_size, dtype), directory / name)
+            entries[name] = _shard_entry(name, members, digest, size)
+            written += size
+            finished += len(members)
+            _write_manifest(directory, manifest, [entries[n] for n, _ in plan if n in entries], complete=False)
+            progress("hidden_states", finished, len(samples))
+    _write_manifest(directory, manifest, [entries[n] for n, _ in plan], complete=True)
+    total = sum(e["bytes"] for e in entries.values())
+    return {"estimate_bytes": need, "bytes_written": written, "bytes_total": total,
+            "shards": len(plan), "shards_reused": len(done)}
+
+
+def _shard_entry(name: str, members: list[dict], digest: str, size: int) -> dict:
+    return {
+        "file": name,
+        "split": name.split("-")[0],
+        "num_samples": len(members),
+        "num_tokens": sum(len(s["input_ids"]) for s in members),
+        "sha256": digest,
+        "bytes": size,
+    }
+
+
+def _manifest_header(extractor: TargetFeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "architecture": extractor.architecture,
+        "num_hidden_layers": extractor.num_hidden_layers,
+        "hidden_size": extractor.hidden_size,
+        "aux_layer_ids": extractor.aux_layer_ids,
+        "hf_indices": extractor.hf_indices,
+        "num_aux": len(extractor.hf_indices),
+        "dtype": data_cfg.hidden_states_dtype,
+        "max_length": data_cfg.max_length,
+        "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},
+        "num_tokens": {sp: sum(len(s["input_ids"]) for s in samples if s["split"] == sp) for sp in ("train", "validation")},
+    }
+
+
+def _write_manifest(directory: Path, header: dict, shards: list[dict], complete: bool) -> None:
+    _atomic_write_text(directory / MANIFEST, json.dumps({**header, "complete": complete, "shards": shards}, indent=2))
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _manifest_dir(offline_dir: Path) -> Path:
+    """Accept the hidden_states dir itself or the dataset dir that contains it."""
+    offline_dir = Path(offline_dir)
+    if (offline_dir / MANIFEST).is_file():
+        return offline_dir
+    if (offline_dir / "hidden_states" / MANIFEST).is_file():
+        return offline_dir / "hidden_states"
+    raise FileNotFoundError(f"no {MANIFEST} in {offline_dir} or {offline_dir / 'hidden_states'}")
+
+
+class HiddenStateDataset(Dataset):
+    """Offline samples: dicts of `input_ids` [T] int64, `loss_mask` [T] int64 (1 = assistant),
+    `aux_hidden_states` [T, k*H_t] and `last_hidden_states` [T, H_t] (dtype as stored).
+
+    Reads lazily from the shards (safetensors slices), reopening files after a fork so it
+    works with DataLoader workers. The manifest (`self.manifest`) must be complete.
+    """
+
+    def __init__(self, offline_dir: Path | str, split: str = "train") -> None:
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+        self.directory = _manifest_dir(Path(offline_dir))
+        self.manifest = json.loads((self.directory / MANIFEST).read_text())
+        if not self.manifest.get("complete"):
+            raise ValueError(f"{self.directory / MANIFEST} is incomplete; rerun generate_dataset to resume the dump")
+        self.split = split
+        self.index: list[tuple[str, int, int]] = []  # (shard file, token offset, length)
+        for entry in self.manifest["shards"]:
+            if entry["split"] == split:
+                with safe_open(str(self.directory / entry["file"]), framework="pt") as fh:
+                    lengths = fh.get_tensor("lengths").tolist()
+                offsets = [0, *itertools.accumulate(lengths)][:-1]
+                self.index.extend((entry["file"], o, n) for o, n in zip(offsets, lengths, strict=True))
+        self._handles: dict[str, object] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _handle(self, name: str):
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.directory / name), framework="pt")
+        return self._handles[name]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        name, start, length = self.index[i]
+        fh = self._handle(name)
+
+        def rows(key: str) -> torch.Tensor:
+            return fh.get_slice(key)[start : start + length]
+
+        return {
+            "input_ids": rows("input_ids").long(),
+            "loss_mask": rows("loss_mask").long(),
+            "aux_hidden_states": rows("aux_hidden_states"),
+            "last_hidden_states": rows("last_hidden_states"),
+        }
+
+
+class TokenizedDataset(Dataset):
+    """Online-mode samples: dicts of `input_ids` [T] int64 and `loss_mask` [T] int64."""
+
+    def __init__(self, samples_path: Path | str, split: str = "train") -> None:
+        path = Path(samples_path)
+        path = path / SAMPLES_FILE if path.is_dir() else path
+        self.samples = [
+            (torch.tensor(s["input_ids"], dtype=torch.long), torch.tensor(s["loss_mask"], dtype=torch.long))
+            for s in read_samples(path, split)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        input_ids, loss_mask = self.samples[i]
+        return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def collate_hidden_states(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad every key to the batch's longest sample and add `attention_mask` [B, T] (1 = real).
+
+    Pads are 0 (ids, mask, states). Works for both datasets: hidden keys are padded when present.
+    """
+    width = max(len(it["input_ids"]) for it in items)
+    batch = {}
+    for key in items[0]:
+        first = items[0][key]
+        out = torch.zeros((len(items), width, *first.shape[1:]), dtype=first.dtype)
+        for i, it in enumerate(items):
+            out[i, : len(it[key])] = it[key]
+        batch[key] = out
+    batch["attention_mask"] = torch.zeros((len(items), width), dtype=torch.long)
+    for i, it in enumerate(items):
+        batch["attention_mask"][i, : len(it["input_ids"])] = 1
+    return batch
+
+
+# --------------------------------------------------------------------------- target head
+
+
+def _safetensors_index(target_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors.index.json or the single model.safetensors."""
+    index = target_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {target_dir}")
+    names = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names.update({k: f for k in fh.keys()})
+    return names
+
+
+def _pick(names: dict[str, Path], suffix: str) -> str | None:
+    """The shortest tensor name ending in suffix (the text model's, not a vision tower's)."""
+    matches = sorted((n for n in names if n.endswith(suffix)), key=len)
+    return matches[0] if matches else None
+
+
+def load_target_head(target_dir: Path | str) -> dict:
+    """`{"lm_head": [V, H], "embed_tokens": [V, H], "config": dict}` straight from safetensors.
+
+    Teacher logits = last_hidden_states @ lm_head.T (plus any config-declared softcapping).
+    With tied embeddings and no stored lm_head, lm_head is the embedding matrix.
+    """
+    target_dir = Path(target_dir)
+    config = json.loads((target_dir / "config.json").read_text())
+    names = _safetensors_index(target_dir)
+    embed_name, head_name = _pick(names, "embed_tokens.weight"), _pick(names, "lm_head.weight")
+    if embed_name is None:
+        raise ValueError(f"{target_dir}: no '*embed_tokens.weight' tensor in the safetensors files")
+    tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+    if head_name is None and not tied:
+        raise ValueError(f"{target_dir}: no 'lm_head.weight' and tie_word_embeddings is false")
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(names[name]), framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    embed = read(embed_name)
+    return {"lm_head": read(head_name) if head_name else embed, "embed_tokens": embed, "config": config}
+
+
+# --------------------------------------------------------------------------- stage entry
+
+
+def _target_identity(target_dir: Path) -> str:
+    """Hash of the target's config and weight files (names and sizes) plus its tokenizer files."""
+    h = hashlib.sha256((target_dir / "config.json").read_bytes())
+    for path in sorted(target_dir.glob("*.safetensors")) + sorted(target_dir.glob("tokenizer*.json")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _prompts_identity(data_cfg: DataConfig) -> str:
+    if data_cfg.prompts == "builtin":
+        return "builtin:" + hashlib.sha256("\n".join(f.relpath for f in heldout_corpus()).encode()).hexdigest()
+    return "file:" + file_sha256(Path(data_cfg.prompts))
+
+
+def samples_fingerprint(target_dir: Path, data_cfg: DataConfig) -> str:
+    """What decides samples.jsonl: target, prompts, sizes, split, regeneration settings."""
+    rcfg = regeneration_settings(data_cfg.regenerate)
+    for unrelated in ("concurrency", "retries", "timeout_s", "batch_size", "backoff_s", "api_key_set"):
+        rcfg.pop(unrelated)
+    payload = {
+        "target": _target_identity(target_dir),
+        "prompts": _prompts_identity(data_cfg),
+        "data": data_cfg.model_dump(include={"num_samples", "max_length", "validation_fraction", "seed"}),
+        "regenerate": rcfg,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _generation_eos(target_dir: Path) -> int | list[int] | None:
+    path = target_dir / "generation_config.json"
+    return json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+
+
+def _final_conversations(
+    conversations: list[list[Message]], data_cfg: DataConfig, load_model: Callable, tokenizer,
+    stop_ids: list[int], out_dir: Path, fingerprint: str, progress: ProgressFn, log: LogFn,
+) -> list[list[Message]]:
+    """Conversations with the target's answers (regeneration on) or as given (off)."""
+    rcfg = data_cfg.regenerate
+    if not rcfg.enabled:
+        for n, c in enumerate(conversations):
+            if c[-1]["role"] != "assistant":
+                raise ValueError(f"data.regenerate.enabled is false but conversation {n} has no final assistant answer")
+        return conversations
+    prompts = [prompt_part(c, f"conversation {n}") for n, c in enumerate(conversations)]
+    record = RegenerationLog(out_dir / f".regenerated-{fingerprint[:16]}.jsonl")
+    if record.done:
+        log(f"regenerate: resuming, {len(record.done)}/{len(prompts)} answers already done")
+    try:
+        if rcfg.backend == "local":
+            model = load_model()
+            regenerate_local(
+                model, tokenizer, prompts, rcfg, data_cfg.max_length, stop_ids, record, progress, data_cfg.seed
+            )
+        else:
+            regenerate_http(prompts, rcfg, record, progress, log)
+    finally:
+        record.close()
+    return [p + [{"role": "assistant", "content": record.done[i]}] for i, p in enumerate(prompts)]
+
+
+def _prepare_samples(
+    target_dir: Path, data_cfg: DataConfig, tokenizer, stop_ids: list[int], load_model: Callable,
+    out_dir: Path, progress: ProgressFn, log: LogFn,
+) -> tuple[list[dict], dict]:
+    """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split."""
+    fingerprint = samples_fingerprint(target_dir, data_cfg)
+    meta_path, samples_path = out_dir / SAMPLES_META, out_dir / SAMPLES_FILE
+    if meta_path.is_file() and samples_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("fingerprint") == fingerprint and meta.get("sha256") == file_sha256(samples_path):
+            log(f"data: reusing {samples_path} (same target, prompts and settings)")
+            return read_samples(samples_path), meta
+    progress("prompts", 0, 1)
+    conversations = load_conversations(data_cfg, log)
+    progress("prompts", 1, 1)
+    final = _final_conversations(
+        conversations, data_cfg, load_model, tokenizer, stop_ids, out_dir, fingerprint, progress, log
+    )
+    samples, dropped = build_samples(tokenizer, final, data_cfg, stop_ids, progress)
+    if not any(s["split"] == "train" for s in samples):
+        raise ValueError(f"no usable training sample: all {len(final)} conversations had no assistant token "
+                         f"within data.max_length={data_cfg.max_length}")
+    meta = {"fingerprint": fingerprint, "sha256": write_samples(samples, samples_path), "dropped": dropped,
+            "num_conversations": len(final)}
+    _atomic_write_text(meta_path, json.dumps(meta, indent=2))
+    (out_dir / f".regenerated-{fingerprint[:16]}.jsonl").unlink(missing_ok=True)
+    return samples, meta
+
+
+def _dump_fingerprint(samples_sha: str, aux_ids: list[int], target_dir: Path, data_cfg: DataConfig) -> str:
+    """What decides the shards' content: samples, layers, target, dtype, shard size."""
+    payload = [samples_sha, aux_ids, _target_identity(target_dir), data_cfg.hidden_states_dtype, data_cfg.shard_size]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def _token_stats(samples: list[dict]) -> dict:
+    tokens = {sp: sum(len(s["input_ids"]) for s in samples if s["split"] == sp) for sp in ("train", "validation")}
+    assistant = sum(sum(s["loss_mask"]) for s in samples)
+    total = sum(tokens.values())
+    return {
+        "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},
+        "num_tokens": tokens,
+        "num_assistant_tokens": assistant,
+        "loss_mask_fraction": assistant / total if total else 0.0,
+    }
+
+
+def _target_facts(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConfig) -> dict:
+    """Architecture, sizes and resolved layer ids from config.json; rejects impossible settings."""
+    config = json.loads((target_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    facts = {
+        "architecture": config["architectures"][0],
+        "num_hidden_layers": text["num_hidden_layers"],
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+    }
+    context = text.get("max_position_embeddings", data_cfg.max_length)
+    if data_cfg.max_length > context:
+        raise ValueError(f"data.max_length={data_cfg.max_length} exceeds the target context (max_position_embeddings={context})")
+    if data_cfg.draft_vocab_size > facts["vocab_size"]:
+        raise ValueError(f"data.draft_vocab_size={data_cfg.draft_vocab_size} exceeds the target vocab ({facts['vocab_size']})")
+    arch, layers = facts["architecture"], facts["num_hidden_layers"]
+    facts["hf_indices"] = aux_ids_to_hf_indices(arch, target_cfg.aux_layer_ids, layers)
+    facts["aux_layer_ids"] = target_cfg.aux_layer_ids or default_aux_layer_ids(arch, layers)
+    return facts
+
+
+def _log_disk_bound(facts: dict, data_cfg: DataConfig, log: LogFn) -> None:
+    """Upper bound of the dump before any work (every sample at max_length); the exact need
+    is known, and checked against free space, once the samples are tokenized."""
+    k, width = len(facts["hf_indices"]), _DTYPES[data_cfg.hidden_states_dtype].itemsize
+    bound = estimate_hidden_state_bytes(data_cfg.num_samples * data_cfg.max_length, facts["hidden_size"], k, width)
+    log(
+        f"hidden states: at most {bound / 1e9:.3f} GB = {data_cfg.num_samples} samples x {data_cfg.max_length} "
+        f"tokens x ({k}+1) states x H={facts['hidden_size']} x {width} B"
+    )
+
+
+def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_info, out_dir: Path) -> dict:
+    """The JSON-able result of generate_dataset (no secrets)."""
+    dump = dump or {"bytes_total": 0, "bytes_written": 0, "estimate_bytes": 0, "shards_reused": 0}
+    return {
+        **_token_stats(samples),
+        "num_dropped": meta["dropped"],
+        **{k: facts[k] for k in ("architecture", "hidden_size", "aux_layer_ids", "hf_indices")},
+        "hidden_states": data_cfg.hidden_states,
+        "hidden_states_dtype": data_cfg.hidden_states_dtype,
+        "hidden_states_bytes": dump["bytes_total"],
+        "bytes_written": dump["bytes_written"],
+        "hidden_states_estimate_bytes": dump["estimate_bytes"],
+        "shards_reused": dump["shards_reused"],
+        "chat_template_sha256": chat_template_sha256(tokenizer),
+        "regeneration": regeneration_settings(data_cfg.regenerate),
+        "vocab": vocab_info,
+        "paths": {
+            "samples": str(out_dir / SAMPLES_FILE),
+            "vocab": str(out_dir / "vocab"),
+            "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states == "offline" else None,
+        },
+    }
+
+
+def generate_dataset(
+    target_dir: Path,
+    target_cfg: TargetConfig,
+    data_cfg: DataConfig,
+    out_dir: Path,
+    on_progress: ProgressFn | None = None,
+    log: LogFn = print,
+) -> dict:
+    """Prompts -> regenerated answers -> samples.jsonl -> vocab/ -> hidden_states/ (offline).
+
+    Args:
+        target_dir: HF dir of the target (the tiny target's build dir, or target.model_path).
+        target_cfg: aux layer ids and dtype of the target.
+        data_cfg: prompts, regeneration, sizes, storage mode.
+        out_dir: dataset directory (created; reruns resume or reuse what matches).
+        on_progress: (stage, done, total) with stages prompts, regenerate, tokenize,
+            vocab, hidden_states.
+        log: one-line messages (never contains the API key).
+    Returns:
+        JSON-able summary: counts, tokens, layer ids, bytes, template hash, settings, paths.
+    """
+    started = time.perf_counter()
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    progress = on_progress or _noop_progress
+    out_dir.mkdir(parents=True, exist_ok=True)
+    facts = _target_facts(target_dir, target_cfg, data_cfg)
+    if data_cfg.hidden_states == "offline":
+        _log_disk_bound(facts, data_cfg, log)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stop_ids = turn_stop_ids(tokenizer, _generation_eos(target_dir))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded: dict = {}
+
+    def load_model():  # only when needed: http + online never loads the weights
+        if "model" not in loaded:
+            loaded["model"] = load_target(target_dir, target_cfg.dtype, device)[0]
+        return loaded["model"]
+
+    samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log)
+    progress("vocab", 0, 1)
+    train = [s for s in samples if s["split"] == "train"]
+    _, vocab_info = build_or_load_draft_vocab(
+        [s["input_ids"] for s in train], [s["loss_mask"] for s in train], data_cfg.draft_vocab_size,
+        facts["vocab_size"], out_dir / "vocab",
+    )
+    progress("vocab", 1, 1)
+    dump = None
+    if data_cfg.hidden_states == "offline":
+        extractor = TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"])
+        fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, data_cfg)
+        dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress, log)
+    summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
+    return summary | {"wall_s": time.perf_counter() - started}

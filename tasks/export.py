@@ -1,0 +1,53 @@
+"""export_checkpoint: SGLang (and vLLM speculators) checkpoints, validated, logged, registered.
+
+A thin wrapper over `eagle3.export.export_checkpoint`, which refuses an export that SGLang
+or vLLM would silently mis-load. The exported directories become MLflow artifacts; with
+`export.registered_model` set, the SGLang directory is registered as a model version (the
+raw checkpoint dir, which is what SGLang loads) so deploys can fetch `models:/name@alias`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.export import export_checkpoint as run_export
+from tasks.config import ExperimentConfig
+from tasks.pipeline import StageContext, logger
+from tasks.tracking import RunLogger
+
+
+def register_checkpoint(run: RunLogger, name: str, artifact_path: str) -> str:
+    """Register `<run artifacts>/<artifact_path>` as a new version of `name`; returns the version."""
+    client = run.client
+    try:
+        client.create_registered_model(name)
+    except MlflowException as err:
+        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
+            raise
+    source = f"{client.get_run(run.run_id).info.artifact_uri}/{artifact_path}"
+    version = client.create_model_version(name, source=source, run_id=run.run_id, tags={"format": "sglang"})
+    return version.version
+
+
+@task(name="export_checkpoint", cache_policy=NO_CACHE)
+def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    trained = ctx.upstream["train_draft"]
+    checkpoint = trained["outputs"]["checkpoint"]
+    if not checkpoint:
+        raise ValueError("train_draft produced no checkpoint to export")
+    target_dir = Path(trained["outputs"]["target_dir"])
+    result = run_export(Path(checkpoint), target_dir, cfg.export, ctx.stage_dir)
+    for fmt, path in result["formats"].items():
+        ctx.mlflow.log_artifact(path, f"checkpoint/{fmt}")
+        logger().info(f"export_checkpoint: {fmt} checkpoint at {path}")
+    ctx.mlflow.log_dict(result["validation"], "checkpoint/validation.json")
+    outputs = {f"{fmt}_dir": path for fmt, path in result["formats"].items()} | {"target_dir": str(target_dir)}
+    if cfg.export.registered_model and "sglang" in result["formats"]:
+        version = register_checkpoint(ctx.mlflow, cfg.export.registered_model, "checkpoint/sglang")
+        logger().info(f"registered {cfg.export.registered_model} version {version}")
+        outputs["registered_model_version"] = f"{cfg.export.registered_model}/{version}"
+    return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs}

@@ -1,0 +1,64 @@
+"""train_draft: EAGLE-3 training-time-test training of the draft, metrics streamed to MLflow.
+
+A thin wrapper over `eagle3.train.train_draft`: it reads the data stage's outputs (dataset,
+target directory, aux layer ids, draft vocab size), streams per-step metrics (loss_k, acc_k,
+lr, simulated accept length on validation) to the stage's MLflow run through the trainer's
+callback, and logs the curves. Never retried: a failed training run needs a look, and the
+trainer resumes from its last checkpoint when the stage is run again on the same run dir.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.train import train_draft as run_training
+from tasks.config import ExperimentConfig
+from tasks.pipeline import StageContext, logger
+
+
+def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
+    """Target features computed inside training (data.hidden_states: online)."""
+    from eagle3.capture import TargetFeatureExtractor
+    from eagle3.tiny_target import load_target
+
+    model, _ = load_target(target_dir, cfg.target.dtype, "cuda" if _cuda() else "cpu")
+    return TargetFeatureExtractor.from_model(model, aux_layer_ids)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@task(name="train_draft", cache_policy=NO_CACHE)
+def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    data = ctx.upstream["generate_data"]
+    target_dir, dataset_dir = Path(data["outputs"]["target_dir"]), Path(data["outputs"]["dataset_dir"])
+    aux_layer_ids = data["aux_layer_ids"]
+    online = _online_features(cfg, target_dir, aux_layer_ids) if cfg.data.hidden_states == "online" else None
+    ctx.mlflow.log_params({"aux_layer_ids": json.dumps(aux_layer_ids), "draft_vocab_size": cfg.data.draft_vocab_size})
+    progress = ctx.progress()
+    summary = run_training(
+        dataset_dir, target_dir, cfg.train, ctx.stage_dir / "draft",
+        aux_layer_ids=aux_layer_ids, draft_vocab_size=cfg.data.draft_vocab_size, online_features=online,
+        on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
+        on_progress=lambda done, total: progress("optimizer steps", done, total), log=logger().info,
+    )
+    if summary.get("curves_png"):
+        ctx.mlflow.log_artifact(summary["curves_png"], "plots")
+    ctx.mlflow.log_dict(summary, "train/summary.json")
+    metrics = {"simulated_accept_length": summary.get("simulated_accept_length"), "tokens_per_s": summary.get("tokens_per_s"),
+               "steps": summary.get("steps")}
+    metrics.update({f"acc_{i}": a for i, a in enumerate(summary.get("acc", [])) if a is not None})
+    logger().info(f"train_draft: simulated accept length {summary.get('simulated_accept_length')} "
+                  f"({summary.get('metrics_split')} split), acc_k {summary.get('acc')}")
+    return {
+        **summary,
+        "metrics": {k: v for k, v in metrics.items() if v is not None},
+        "outputs": {"checkpoint": summary["checkpoint"], "target_dir": str(target_dir), "train_dir": str(ctx.stage_dir / "draft")},
+    }

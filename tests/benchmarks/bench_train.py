@@ -1,0 +1,330 @@
+"""Benchmark one EAGLE-3 training step (TTT unroll, AdamW) of a Llama-3.1-8B-shaped draft.
+
+Shape: H 4096, FFN 14336, 32 heads / 8 KV (head_dim 128), target vocab 128256, draft vocab
+32000, seq 2048, TTT 7, bf16 autocast over fp32 master weights, synthetic hidden states.
+Variants (same initial weights, same batch, fresh AdamW each):
+  dense_eager     plain eager: dense boolean TTT mask in SDPA, [T, V] fp32 teacher, unfused loss
+  dense_compiled  the same function under torch.compile
+  fast_eager      eagle3.train path: causal flash + analytic diagonal merge, chunked teacher,
+                  fused soft-CE with in-forward gradients
+  fast_compiled   the same with the layer halves, merge math and loss chunks compiled
+  fast_compiled_b2  fast_compiled at batch 2
+MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal attention;
+all x3 for fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
+rate measured here. Prints a table; writes JSON (--out).
+
+    python tests/benchmarks/bench_train.py            # CUDA, full shape (skips without CUDA)
+    python tests/benchmarks/bench_train.py --tiny     # CPU smoke test with a tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import eagle3.losses as losses  # noqa: E402
+import eagle3.model as model_mod  # noqa: E402
+from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.losses import compute_teacher  # noqa: E402
+from eagle3.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
+from eagle3.train import Eagle3TTTModule, clip_and_step  # noqa: E402
+
+LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
+                  aux_layer_ids=[1, 15, 28], rms_norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  max_position_embeddings=131072)
+TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
+ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
+
+
+def useful_flops_per_token(cfg: DraftModelConfig, seq: int, ttt: int) -> dict[str, float]:
+    """Useful training FLOPs per token (2 per MAC; x3 = forward + backward)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    fc = 2 * cfg.num_aux_hidden_states * cfg.target_hidden_size * h * 3
+    proj = 2 * (2 * h * (q + 2 * kv) + q * h) * 3
+    mlp = 2 * 3 * h * cfg.intermediate_size * 3
+    head = 2 * h * cfg.draft_vocab_size * 3
+    attn = 2 * 2 * q * (seq + 1) / 2 * 3  # causal: QK^T and PV over (T+1)/2 keys on average
+    teacher = 2 * cfg.target_hidden_size * cfg.vocab_size
+    parts = {"fc": fc, "attn_proj": ttt * proj, "mlp": ttt * mlp, "draft_lm_head": ttt * head,
+             "attention": ttt * attn, "teacher": teacher}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def measure_matmul_tflops(device: torch.device, n: int, dtype: torch.dtype) -> float:
+    """Median rate of an n^3 matmul on random data (device events on CUDA)."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(23):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            a @ b
+            ms = (time.perf_counter() - t0) * 1e3
+        if i >= 3:
+            times.append(ms)
+    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+
+
+def build(cfg: DraftModelConfig, device: torch.device, param_dtype, seed: int = 0):
+    """Draft (fp32 master weights, frozen embedding in `param_dtype`) and target lm_head."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    draft = Eagle3DraftModel(cfg)
+    draft.embed_tokens.to(param_dtype)
+    draft.to(device)
+    used = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    draft.set_vocab_mapping((used - torch.arange(cfg.draft_vocab_size)).to(device), t2d.to(device))
+    lm_head = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02).to(device, param_dtype)
+    return draft, lm_head
+
+
+def make_batch(cfg: DraftModelConfig, device, batch: int, seq: int, param_dtype, seed: int = 1) -> dict:
+    """Synthetic hidden states of the offline-dataset contract (all positions in the loss)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
+        "aux": torch.randn(batch, seq, cfg.num_aux_hidden_states * cfg.target_hidden_size, generator=g).to(device, param_dtype),
+        "last": torch.randn(batch, seq, cfg.target_hidden_size, generator=g).to(device, param_dtype),
+        "loss_mask": torch.ones(batch, seq, dtype=torch.bool, device=device),
+    }
+
+
+def baseline_loss(draft: Eagle3DraftModel, data: dict, lm_head, ttt: int, decay: float = 0.8):
+    """Plain eager TTT (SpecForge-style): full [B, T, V] fp32 teacher, zero-padded shifts,
+    dense boolean mask in SDPA, unfused log-softmax loss."""
+    ids, lmask = data["input_ids"], data["loss_mask"]
+    b, t = ids.shape
+    with torch.no_grad():
+        target = (data["last"] @ lm_head.T).float()
+        counted = draft.t2d[target.argmax(-1)] & lmask
+        p = torch.softmax(target[..., draft.t2d], -1)
+    hidden = draft.project(data["aux"])
+    pos = torch.arange(t, device=ids.device)[None].expand(b, t)
+    cache, loss = TTTCache(), 0.0
+    for k in range(ttt):
+        s = k + 1
+        hidden = draft.ttt_step(F.pad(ids[:, s:], (0, s)), hidden, pos + k, cache, "dense")
+        logp = torch.log_softmax(draft.compute_logits(hidden).float(), -1)
+        p_k, mask_k = F.pad(p[:, s:], (0, 0, 0, s)), F.pad(counted[:, s:], (0, s))
+        ce = -(p_k * logp).sum(-1)
+        loss = loss + decay**k * (ce * mask_k).sum() / mask_k.sum().clamp(min=1)
+    return loss
+
+
+def fast_loss(module: Eagle3TTTModule, data: dict, lm_head, chunk: int):
+    """The eagle3.train path: chunked teacher + Eagle3TTTModule (fast attention, fused loss)."""
+    draft = module.draft
+    target_p, target_ids, in_vocab = compute_teacher(data["last"], lm_head, draft.t2d, chunk)
+    loss, _ = module(data["input_ids"], data["aux"], data["loss_mask"], target_p, target_ids, in_vocab)
+    return loss
+
+
+def reset_compiled(draft: Eagle3DraftModel) -> None:
+    draft._qkv_fn, draft._finish_fn = draft._ttt_qkv, draft._ttt_finish
+    model_mod._merge_fn, model_mod._diag_backward_fn = model_mod._merge_forward, model_mod._diag_backward
+    losses._chunk_fn = losses._soft_ce_chunk
+
+
+def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, device):
+    reset_compiled(draft)
+    compiled = "compiled" in variant
+    if variant.startswith("dense"):
+        fn = torch.compile(baseline_loss) if compiled else baseline_loss
+        return lambda: fn(draft, data, lm_head, ttt)
+    if compiled:
+        draft.compile_layer()
+        losses.compile_loss_chunk()
+    module = Eagle3TTTModule(draft, TrainConfig(ttt_steps=ttt, loss_chunk_tokens=chunk, compile=False))
+    return lambda: fast_loss(module, data, lm_head, chunk)
+
+
+def train_step(loss_fn, optimizer, params, device, autocast_dtype):
+    ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(device.type, enabled=False)
+    with ctx:
+        loss = loss_fn()
+    loss.backward()
+    grad_norm = clip_and_step(optimizer, params, 0.5)  # the trainer's clip (folded into fused AdamW) + step
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), grad_norm
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(variant, args, draft, lm_head, data, init_state, device, autocast_dtype):
+    """Restore the initial weights, then time `iters` steps after `warmup` (compilation included there)."""
+    draft.load_state_dict(init_state)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+    loss_fn = make_loss_fn(variant, draft, lm_head, data, args.ttt, args.chunk, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    first_loss, first_grad_norm = map(float, train_step(loss_fn, optimizer, params, device, autocast_dtype))
+    for _ in range(args.warmup - 1):
+        train_step(loss_fn, optimizer, params, device, autocast_dtype)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t1 = time.perf_counter()
+            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            times.append((time.perf_counter() - t1) * 1e3)
+    ms, batch = statistics.median(times), data["input_ids"].shape[0]
+    result = {"variant": variant, "batch": batch, "ms_per_step": ms, "ms_min": min(times), "ms_max": max(times),
+              "tokens_per_s": batch * args.seq / (ms * 1e-3), "first_loss": first_loss, "first_grad_norm": first_grad_norm, "warmup_s": warmup_s,
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+    if args.profile and variant == args.profile and device.type == "cuda":
+        result["profile"] = profile_step(loss_fn, optimizer, params, device, autocast_dtype)
+    reset_compiled(draft)
+    del optimizer, loss_fn
+    for p in params:
+        p.grad = None
+    return result
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flash" in n or "fmha" in n:
+        return "flash_attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul")):
+        return "gemm"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer"
+    if n.startswith("triton"):
+        return "triton_fused"
+    return "other_elementwise"
+
+
+def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> dict:
+    """Device time per kernel category and the top kernels over `steps` training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+        _sync(device)
+    kernels = [(e.key, e.self_device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    categories: dict[str, float] = {}
+    for name, ms, _ in kernels:
+        categories[_kernel_category(name)] = categories.get(_kernel_category(name), 0.0) + ms
+    top = sorted(kernels, key=lambda k: -k[1])[:30]
+    return {"ms_by_category": categories, "device_ms_total": sum(categories.values()),
+            "top_kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in top]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (smoke test)")
+    parser.add_argument("--variants", default=None, help=f"comma list from {ALL_VARIANTS}; default all "
+                        "(with --tiny: the eager ones)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--chunk", type=int, default=8192, help="loss/teacher rows per chunk")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", default="fast_compiled", help="variant to profile ('' = none)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    unknown = set((args.variants or "").split(",")) - set(ALL_VARIANTS) - {""}
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}")
+
+    if args.tiny:
+        device, shape, autocast_dtype, param_dtype = torch.device("cpu"), TINY, None, torch.float32
+        args.seq, args.iters, args.warmup = min(args.seq, 64), min(args.iters, 3), min(args.warmup, 1)
+        variants = args.variants.split(",") if args.variants else [v for v in ALL_VARIANTS if "compiled" not in v]
+        torch.set_num_threads(1)
+    else:
+        if not torch.cuda.is_available():
+            print("bench_train: CUDA not available; the full shape needs a GPU (use --tiny on CPU). Skipped.")
+            return 0
+        device, shape, autocast_dtype, param_dtype = torch.device("cuda"), LLAMA31_8B, torch.bfloat16, torch.bfloat16
+        variants = args.variants.split(",") if args.variants else list(ALL_VARIANTS)
+    cfg = DraftModelConfig(**shape)
+    flops = useful_flops_per_token(cfg, args.seq, args.ttt)
+    matmul = measure_matmul_tflops(device, 1024 if args.tiny else 8192, torch.float32 if args.tiny else torch.bfloat16)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "shape": shape, "seq": args.seq, "ttt": args.ttt,
+              "flops_per_token": flops, "matmul_tflops": matmul, "results": []}
+    draft, lm_head = build(cfg, device, param_dtype)
+    init_state = {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}
+    batches: dict[int, dict] = {}
+    for variant in variants:
+        size = 2 if variant.endswith("_b2") else args.batch
+        data = batches.setdefault(size, make_batch(cfg, device, size, args.seq, param_dtype))
+        try:
+            res = run_variant(variant, args, draft, lm_head, data, init_state, device, autocast_dtype)
+        except torch.OutOfMemoryError as err:  # report and go on with the other variants
+            res = {"variant": variant, "error": f"OOM: {str(err)[:200]}"}
+        if "tokens_per_s" in res:
+            res["mfu"] = flops["total"] * res["tokens_per_s"] / (matmul * 1e12)
+        report["results"].append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "profile"}), flush=True)
+        if args.out:  # after every variant, so a timeout keeps what was measured
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    print(f"\n{report['device']}, torch {report['torch']}, measured matmul {report['matmul_tflops']:.3g} TFLOP/s, "
+          f"useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, seq {report['seq']}, TTT {report['ttt']}")
+    print(f"{'variant':<18}{'batch':>6}{'ms/step':>10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@0':>10}{'|g|@0':>10}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['variant']:<18} {r['error']}")
+            continue
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        print(f"{r['variant']:<18}{r['batch']:>6}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.0f}"
+              f"{100 * r['mfu']:>7.1f}%{mem:>10}{r['first_loss']:>10.4f}{r['first_grad_norm']:>10.4f}")
+    for r in report["results"]:
+        if "profile" in r:
+            prof = r["profile"]
+            print(f"\nprofile of {r['variant']} (device ms per step, total {prof['device_ms_total']:.1f}):")
+            for cat, ms in sorted(prof["ms_by_category"].items(), key=lambda kv: -kv[1]):
+                print(f"  {cat:<20}{ms:>8.2f}")
+            for k in prof["top_kernels"][:22]:
+                print(f"  {k['ms']:>7.2f} ms x{k['calls']:<4} {k['name'][:90]}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

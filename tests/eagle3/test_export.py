@@ -1,0 +1,271 @@
+"""Export: SGLang key set and config, reload gives identical logits, speculators layout,
+and the validator rejecting each way SGLang would silently mis-load a draft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import ExportConfig
+from eagle3.export import (
+    assert_valid_sglang_checkpoint,
+    export_checkpoint,
+    export_sglang,
+    export_speculators,
+    load_exported,
+    validate_sglang_checkpoint,
+    validate_speculators_checkpoint,
+)
+from eagle3.model import DraftModelConfig, Eagle3DraftModel
+
+# SGLang's LlamaForCausalLMEagle3 tensor names (sglang python/sglang/srt/models/llama_eagle3.py,
+# checkpoint naming, one layer, no fc bias, no norm_before_fc); embed_tokens is the target's.
+SGLANG_KEYS = {
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+TARGET = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 8,
+    "vocab_size": 80,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+AUX = [1, 3, 4]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(seed: int = 0) -> tuple[Eagle3DraftModel, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(DraftModelConfig.from_target_config(TARGET, 40, AUX))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    used = torch.tensor(sorted(torch.randperm(80, generator=torch.Generator().manual_seed(1))[:40].tolist()))
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    model.set_vocab_mapping(used - torch.arange(40), t2d)
+    embed = torch.randn(80, 32)
+    model.load_target_embedding(embed)
+    return model, embed
+
+
+def logits_of(model: Eagle3DraftModel, seed: int = 7) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    ids, aux = torch.randint(0, 80, (2, 6), generator=g), torch.randn(2, 6, 96, generator=g)
+    dtype = model.fc.weight.dtype
+    with torch.no_grad():
+        out, _ = model.decoder_step(ids, model.project(aux.to(dtype)), torch.arange(6)[None].expand(2, 6))
+        return model.compute_logits(out)
+
+
+def test_sglang_export_has_exactly_sglangs_keys_and_config(tmp_path):
+    model, _ = make_model()
+    path = export_sglang(model, TARGET, tmp_path / "sglang", "bfloat16")
+    weights = load_file(str(path / "model.safetensors"))
+    assert set(weights) == SGLANG_KEYS
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert weights["fc.weight"].dtype == torch.bfloat16
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["vocab_size"] == 80 and config["draft_vocab_size"] == 40 and config["target_hidden_size"] == 32
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": AUX, "use_aux_hidden_state": True,
+                                      "norm_before_fc": False}
+    assert "eagle_aux_hidden_state_layer_ids" not in config  # SGLang reads only the nested one
+    assert config["rope_parameters"] == TARGET["rope_parameters"]
+    assert config["max_position_embeddings"] == 512
+    assert validate_sglang_checkpoint(path, TARGET) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_reload_gives_identical_logits(tmp_path, dtype):
+    model, embed = make_model()
+    path = export_sglang(model, TARGET, tmp_path / "sglang", dtype)
+    reloaded = load_exported(path, target_embedding=embed)
+    reference = model.to(getattr(torch, dtype))
+    assert reloaded.fc.weight.dtype == getattr(torch, dtype)
+    assert torch.equal(logits_of(reloaded), logits_of(reference))
+    assert torch.equal(reloaded.d2t, model.d2t) and torch.equal(reloaded.t2d, model.t2d)
+    assert reloaded.config == model.config
+
+
+def test_speculators_export_layout_ids_and_reload(tmp_path):
+    model, embed = make_model()
+    path = export_speculators(model, TARGET, tmp_path / "spec", "float32", 3, "/models/target")
+    weights = load_file(str(path / "model.safetensors"))
+    assert set(weights) == {k.replace("midlayer.", "layers.0.") for k in SGLANG_KEYS}
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: input of layer k = SGLang id + 1
+    assert config["norm_before_residual"] is False  # explicit: vLLM's adapter defaults a missing key to True
+    layer = config["transformer_layer_config"]
+    assert layer["hidden_size"] == 32 and layer["vocab_size"] == 80 and layer["num_hidden_layers"] == 1
+    spec = config["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+    assert spec["verifier"] == {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]}
+    assert validate_speculators_checkpoint(path, TARGET) == []
+    reloaded = load_exported(path, target_embedding=embed)
+    assert reloaded.config.aux_layer_ids == AUX
+    assert torch.equal(logits_of(reloaded), logits_of(model))
+
+
+def _target_dir(tmp_path: Path, embed: torch.Tensor) -> Path:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TARGET))
+    save_file({"model.embed_tokens.weight": embed, "lm_head.weight": torch.randn(80, 32)}, str(target / "model.safetensors"))
+    return target
+
+
+def test_export_checkpoint_stage_entry(tmp_path):
+    model, embed = make_model()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(state, str(ckpt / "model.safetensors"))
+    (ckpt / "draft_config.json").write_text(json.dumps(model.config.to_dict()))
+    target = _target_dir(tmp_path, embed)
+    result = export_checkpoint(ckpt, target, ExportConfig(formats=["sglang", "speculators"], dtype="float32"),
+                               tmp_path / "export")
+    assert set(result["formats"]) == {"sglang", "speculators"}
+    assert result["validation"] == {"sglang": [], "speculators": []} and result["warnings"] == 0
+    json.dumps(result)
+    reloaded = load_exported(Path(result["formats"]["sglang"]), target_dir=target)
+    assert torch.equal(logits_of(reloaded), logits_of(model))
+    with pytest.raises(ValueError, match="target_embedding or target_dir"):
+        load_exported(Path(result["formats"]["sglang"]))
+    (ckpt.parent / "latest").write_text(ckpt.name)  # a run's checkpoints/ root resolves to its latest
+    again = export_checkpoint(ckpt.parent, target, ExportConfig(dtype="float32"), tmp_path / "export2")
+    assert load_file(again["formats"]["sglang"] + "/model.safetensors").keys() == SGLANG_KEYS
+
+
+# ---------------------------------------------------------------- validator
+
+
+def _broken(tmp_path: Path, edit_config=None, edit_weights=None) -> Path:
+    model, _ = make_model()
+    path = export_sglang(model, TARGET, tmp_path / "draft", "bfloat16")
+    if edit_config:
+        config = json.loads((path / "config.json").read_text())
+        edit_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if edit_weights:
+        weights = load_file(str(path / "model.safetensors"))
+        edit_weights(weights)
+        save_file(weights, str(path / "model.safetensors"))
+    return path
+
+
+def _rename(old: str, new: str):
+    return lambda w: w.__setitem__(new, w.pop(old))
+
+
+def _set(key, value):
+    return lambda c: c.__setitem__(key, value)
+
+
+def _set_ids(ids):
+    return lambda c: c["eagle_config"].__setitem__("eagle_aux_hidden_state_layer_ids", ids)
+
+
+def _ids_top_level(c):
+    c["eagle_aux_hidden_state_layer_ids"] = c.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+
+
+def _shuffle_d2t(w):
+    w["d2t"] = w["d2t"].flip(0)
+
+
+BROKEN = {
+    "missing key": (None, lambda w: w.pop("lm_head.weight"), "missing_key", "stays at its initial value"),
+    "missing d2t": (None, lambda w: w.pop("d2t"), "missing_key", "first draft_vocab_size target ids"),
+    "renamed key": (None, _rename("midlayer.self_attn.q_proj.weight", "midlayer.attn.q_proj.weight"),
+                    "unknown_key", "drops it silently"),
+    "leftover prefix": (None, _rename("fc.weight", "draft_model.fc.weight"), "key_prefix", "drops names"),
+    "model. prefix": (None, _rename("lm_head.weight", "model.lm_head.weight"), "key_prefix", "initial value"),
+    "no draft_vocab_size": (lambda c: c.pop("draft_vocab_size"), None, "draft_vocab_size_missing", "AttributeError"),
+    "tied embeddings": (_set("tie_word_embeddings", True), None, "tie_word_embeddings", "lm_head.weight is dropped"),
+    "ids only top level": (_ids_top_level, None, "aux_layer_ids_location", "default layers"),
+    "id L-1 not capturable": (_set_ids([1, 3, 7]), None, "aux_layer_ids_range", "never visits"),
+    "id out of range": (_set_ids([-3, 3, 4]), None, "aux_layer_ids_range", "silently missing"),
+    "ids not ascending": (_set_ids([4, 1, 3]), None, "aux_layer_ids_order", "ascending layer order"),
+    "short context": (_set("max_position_embeddings", 128), None, "max_position_embeddings", "acceptance collapses"),
+    "rope drift": (lambda c: c["rope_parameters"].__setitem__("rope_theta", 10000.0), None, "rope", "RoPE"),
+    "d2t length": (None, lambda w: w.__setitem__("d2t", w["d2t"][:-1]), "d2t_length", "weight loader"),
+    "d2t/t2d disagree": (None, _shuffle_d2t, "d2t_t2d", "serves another"),
+    "wrong architecture": (_set("architectures", ["LlamaForCausalLM"]), None, "architecture", "architectures[0]"),
+    "wrong fc width": (None, lambda w: w.__setitem__("fc.weight", w["fc.weight"][:, :64].contiguous()), "shape", "expected [32, 96]"),
+    "wrong vocab": (_set("vocab_size", 96), None, "vocab_size", "target's"),
+    "d2t dtype": (None, lambda w: w.__setitem__("d2t", w["d2t"].int()), "dtype", "torch.int64"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_validator_rejects_each_broken_variant(tmp_path, case):
+    edit_config, edit_weights, code, phrase = BROKEN[case]
+    path = _broken(tmp_path, edit_config, edit_weights)
+    problems = validate_sglang_checkpoint(path, TARGET)
+    matching = [p for p in problems if p.code == code]
+    assert matching, problems
+    assert any(phrase in p.message for p in matching), matching
+    with pytest.raises(ValueError, match=code):
+        assert_valid_sglang_checkpoint(path, TARGET)
+
+
+def test_validator_warns_on_hf_index_looking_ids(tmp_path):
+    path = _broken(tmp_path, _set_ids([2, 4, 5]))  # = SGLang's default capture indices for L = 8
+    problems = validate_sglang_checkpoint(path, TARGET)
+    assert [p.code for p in problems] == ["aux_layer_ids_hf_convention"]
+    assert problems[0].severity == "warning" and "[1, 3, 4]" in problems[0].message
+    assert assert_valid_sglang_checkpoint(path, TARGET) == problems  # warnings do not raise
+
+
+def test_validator_missing_files(tmp_path):
+    assert [p.code for p in validate_sglang_checkpoint(tmp_path, TARGET)] == ["missing_config"]
+    path = _broken(tmp_path)
+    (path / "model.safetensors").unlink()
+    assert [p.code for p in validate_sglang_checkpoint(path, TARGET)] == ["missing_weights"]
+
+
+def test_validator_deepseek_capture_rule(tmp_path):
+    deepseek = {**TARGET, "architectures": ["DeepseekV3ForCausalLM"]}
+    path = _broken(tmp_path, _set_ids([2, 4, 7]))  # first id != 1: used as capture indices as-is
+    assert validate_sglang_checkpoint(path, deepseek) == []
+    shutil.rmtree(path)
+    path = _broken(tmp_path, _set_ids([1, 4, 7]))  # first id == 1: +1, so 7 -> 8 is out of range
+    assert [p.code for p in validate_sglang_checkpoint(path, deepseek)] == ["aux_layer_ids_range"]

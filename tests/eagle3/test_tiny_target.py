@@ -1,0 +1,115 @@
+"""The embedded tiny target: corpus, chat template, HF dir layout, eval.json, content-hash cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from eagle3.tiny_target import (
+    CONTINUE_PREFIX,
+    build_tiny_target,
+    corpus_sha256,
+    heldout_corpus,
+    is_heldout,
+    load_target,
+    make_docstring_example,
+    training_corpus,
+    unigram_baselines,
+)
+from eagle3.tiny_target import tiny_target_key as key_of
+
+
+def test_training_corpus_is_deterministic_bounded_and_disjoint_from_heldout():
+    first, second = training_corpus(60_000, seed=0), training_corpus(60_000, seed=0)
+    assert corpus_sha256(first) == corpus_sha256(second)
+    assert corpus_sha256(training_corpus(60_000, seed=1)) != corpus_sha256(first)
+    assert 59_996 <= sum(len(f.text.encode()) for f in first) <= 60_000  # last file cut at a char boundary
+    assert not any(is_heldout(f.relpath) for f in first)
+    heldout = heldout_corpus()
+    assert heldout and all(is_heldout(f.relpath) for f in heldout)
+    assert not {f.relpath for f in heldout} & {f.relpath for f in training_corpus(10**9)}
+
+
+def test_docstring_example_is_the_documented_function():
+    text = 'import os\n\n\ndef area(w, h):\n    """Area of a w x h rectangle."""\n    return w * h\n'
+    example = make_docstring_example(text, random.Random(0))
+    assert example.prompt == "Write the Python function `area` with this docstring:\nArea of a w x h rectangle."
+    assert example.response == 'def area(w, h):\n    """Area of a w x h rectangle."""\n    return w * h'
+    assert example.messages() == [
+        {"role": "user", "content": example.prompt},
+        {"role": "assistant", "content": example.response},
+    ]
+
+
+def test_target_dir_is_a_standard_hf_dir(tiny_target_dir):
+    config = json.loads((tiny_target_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (7, 32, 300)
+    assert (tiny_target_dir / "model.safetensors").is_file()
+    assert "<|assistant|>" in json.loads((tiny_target_dir / "tokenizer_config.json").read_text())["chat_template"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_target_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<|bos|><|system|>\ns<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids)[:2] == ["<|bos|>", "<|system|>"]
+    generation = json.loads((tiny_target_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.convert_tokens_to_ids("<|end|>"), tokenizer.eos_token_id]
+
+
+def test_eval_json_reports_heldout_loss_and_unigram_baseline(tiny_target_dir):
+    evaluation = json.loads((tiny_target_dir / "eval.json").read_text())
+    assert evaluation["heldout_tokens"] == 1024
+    assert math.isfinite(evaluation["heldout_loss"]) and evaluation["heldout_loss"] > 0
+    assert evaluation["loss_vs_unigram"] == pytest.approx(
+        evaluation["heldout_loss"] - evaluation["unigram_cross_entropy_heldout"]
+    )
+    assert evaluation["train_tokens_seen"] == 10 * 4 * 64
+    assert evaluation["num_parameters"] == sum(p.numel() for p in load_target(tiny_target_dir)[0].parameters())
+
+
+def test_unigram_baseline_values():
+    # train counts (+1 smoothing over V=4): token 0 x3, 1 x1, 2 x0, 3 x0 -> p = [4, 2, 1, 1] / 8
+    base = unigram_baselines(torch.tensor([0, 0, 0, 1]), torch.tensor([9, 0, 1]), vocab_size=4)
+    p = torch.tensor([4, 2, 1, 1]) / 8
+    assert base["unigram_entropy_train"] == pytest.approx(float(-(p * p.log()).sum()))
+    assert base["unigram_cross_entropy_heldout"] == pytest.approx(-(math.log(0.5) + math.log(0.25)) / 2)
+
+
+def test_cache_hit_and_key(tiny_target_dir, tiny_target_config):
+    events = []
+    started = time.perf_counter()
+    again = build_tiny_target(tiny_target_config, tiny_target_dir.parent, lambda *e: events.append(e))
+    assert again == tiny_target_dir and events == [("cached", 1, 1)]
+    assert time.perf_counter() - started < 3.0
+    sha = "0" * 64
+    assert key_of(tiny_target_config, sha) == key_of(tiny_target_config.model_copy(update={"num_threads": 2}), sha)
+    assert key_of(tiny_target_config, sha) != key_of(tiny_target_config.model_copy(update={"seed": 1}), sha)
+    assert key_of(tiny_target_config, sha) != key_of(tiny_target_config, "1" * 64)
+
+
+def test_fresh_build_reports_progress_and_answers_in_chat_format(tmp_path, tiny_target_config):
+    cfg = tiny_target_config.model_copy(update={"train_steps": 3, "corpus_max_bytes": 20_000, "eval_tokens": 256})
+    events = []
+    path = build_tiny_target(cfg, tmp_path, lambda *e: events.append(e))
+    assert path.name.startswith("tiny-target-") and not list(tmp_path.glob(".*tmp*"))
+    stages = [stage for stage, _, _ in events]
+    assert stages[0] == "tokenizer" and ("train", 3, 3) in events and events[-1] == ("eval", 1, 1)
+    assert [done for stage, done, _ in events if stage == "train"] == [1, 2, 3]
+    model, tokenizer = load_target(path)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CONTINUE_PREFIX + "x = 1"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
