@@ -94,6 +94,15 @@ def _sglang_layers_to_capture(rule: str, ids: list[int] | None, num_hidden_layer
     return list(ids) if max(ids) == num_hidden_layers else [i + 1 for i in ids]
 
 
+def sglang_layers_to_capture(architecture: str, ids: list[int] | None, num_hidden_layers: int) -> list[int]:
+    """SGLang's `layers_to_capture` for these ids, in the given order, unchecked (validators use it)."""
+    return _sglang_layers_to_capture(capture_rule(architecture), None if ids is None else list(ids), num_hidden_layers)
+
+
+def max_capture_index(architecture: str, num_hidden_layers: int) -> int:
+    return _max_capture_index(capture_rule(architecture), num_hidden_layers)
+
+
 def _max_capture_index(rule: str, num_hidden_layers: int) -> int:
     """Highest capture index the layer loop can record (gpt-oss also captures after the loop)."""
     return num_hidden_layers if rule == AS_IS_IF_MAX_IS_NUM_LAYERS else num_hidden_layers - 1

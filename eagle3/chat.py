@@ -144,7 +144,10 @@ def chat_template_sha256(tokenizer) -> str:
 
 def turn_stop_ids(tokenizer, generation_eos: int | Sequence[int] | None = None) -> list[int]:
     """End-of-turn ids: the generation config's eos ids (if given) plus the tokenizer's eos."""
-    ids = [] if generation_eos is None else ([generation_eos] if isinstance(generation_eos, int) else list(generation_eos))
+    if generation_eos is None:
+        ids = []
+    else:
+        ids = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))

@@ -27,7 +27,10 @@ class TinyTargetConfig(StrictModel):
 
     vocab_size: int = Field(1024, ge=300, le=65536, description="BPE vocabulary size of the tiny tokenizer.")
     hidden_size: int = Field(
-        64, ge=16, le=4096, description="Hidden width of the tiny Llama (small: a 3-minute CPU budget favours tokens over width)."
+        64,
+        ge=16,
+        le=4096,
+        description="Hidden width of the tiny Llama (small: a 3-minute CPU budget buys more from tokens than width).",
     )
     intermediate_size: int = Field(176, ge=16, le=16384, description="MLP width of the tiny Llama.")
     num_hidden_layers: int = Field(
@@ -55,7 +58,11 @@ class TinyTargetConfig(StrictModel):
         "auto", description="Training math: auto = bf16 autocast where the CPU has native bf16, else fp32."
     )
     num_threads: int = Field(
-        0, ge=0, le=1024, description="Torch CPU threads while building (0 = all usable cores); not in the cache key."
+        0,
+        ge=0,
+        le=1024,
+        description="Torch CPU threads while building (0 = the cores other processes leave idle, re-checked "
+        "every 20 steps); not in the cache key.",
     )
 
     @model_validator(mode="after")
@@ -92,8 +99,9 @@ class TargetConfig(StrictModel):
         None,
         min_length=1,
         max_length=8,
-        description="Aux hidden-state layer ids in SGLang's convention (id k = output of decoder layer k); "
-        "None = SGLang's default for the architecture.",
+        description="Aux hidden-state layer ids as written to the draft's eagle_config, in SGLang's convention "
+        "for the target's architecture (Llama family: id k = output of decoder layer k; DeepSeek/Kimi/GLM-Lite "
+        "and gpt-oss have their own rules, see eagle3.capture); None = SGLang's default for the architecture.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Target dtype: auto = bfloat16 on CUDA, float32 on CPU."
@@ -160,7 +168,7 @@ class DataConfig(StrictModel):
         "(about shard_size x max_length x 4 x H x 2 bytes in bf16), so lower it for large targets.",
     )
     draft_vocab_size: int = Field(
-        1024, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
+        512, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
     )
     seed: int = Field(0, ge=0, description="Seed for prompt sampling and splits.")
     hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = Field(

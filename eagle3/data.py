@@ -17,6 +17,7 @@ sha256 per shard and resume.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -39,7 +40,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from eagle3.capture import TargetFeatureExtractor, aux_ids_to_hf_indices, default_aux_layer_ids
 from eagle3.chat import Message, chat_template_sha256, render_chat, tokenize_chat, turn_stop_ids, validate_messages
 from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
-from eagle3.tiny_target import heldout_corpus, load_target, sample_chat_examples
+from eagle3.environment import hidden_state_bytes as estimate_hidden_state_bytes
+from eagle3.tiny_target import cpu_threads, heldout_corpus, load_target, sample_chat_examples
 from eagle3.vocab import build_or_load_draft_vocab
 
 __all__ = [
@@ -211,7 +213,7 @@ def regenerate_local(
     """Answer every prompt not yet in `record` with HF generate, in length-sorted batches.
 
     Prompts of >= max_length tokens get "" (they would leave no room for an answer and are
-    dropped later); new tokens are capped so prompt + answer fits max_length.
+    dropped later); new tokens are capped so every prompt + answer fits max_length.
     """
     if rcfg.temperature > 0:
         torch.manual_seed(seed)
@@ -225,7 +227,8 @@ def regenerate_local(
     for b in range(0, len(todo), rcfg.batch_size):
         batch = todo[b : b + rcfg.batch_size]
         rows = [prompt_ids[i] for i in batch]
-        max_new = min(rcfg.max_new_tokens, max_length - min(len(r) for r in rows))
+        # the batch's longest prompt decides, so no answer runs past max_length (<= the context)
+        max_new = min(rcfg.max_new_tokens, max_length - max(len(r) for r in rows))
         for i, answer in zip(batch, _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids), strict=True):
             record.add(i, answer)
         progress("regenerate", len(prompts) - len(todo) + b + len(batch), len(prompts))
@@ -244,6 +247,17 @@ def _is_transient(exc: Exception) -> bool:
     return isinstance(exc, (httpx.TimeoutException, httpx.TransportError))
 
 
+def _message_content(response: httpx.Response, url: str) -> str:
+    """choices[0].message.content of an OpenAI chat response; RuntimeError if malformed."""
+    try:
+        content = response.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise RuntimeError(f"POST {url}: malformed chat completion: {response.text[:300]!r}") from exc
+    if not isinstance(content, str):
+        raise RuntimeError(f"POST {url}: chat completion without text content: {response.text[:300]!r}")
+    return content
+
+
 def post_chat_completion(
     client: httpx.Client, url: str, payload: dict, rcfg: RegenerateConfig, log: LogFn, sleep=time.sleep
 ) -> str:
@@ -255,10 +269,7 @@ def post_chat_completion(
         try:
             response = client.post(url, json=payload)
             response.raise_for_status()
-            content = response.json()["choices"][0]["message"]["content"]
-            if not isinstance(content, str):
-                raise ValueError(f"POST {url}: response has no message content")
-            return content
+            return _message_content(response, url)
         except (httpx.HTTPStatusError, httpx.TimeoutException, httpx.TransportError) as exc:
             status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else type(exc).__name__
             if not _is_transient(exc) or attempt == rcfg.retries:
@@ -380,17 +391,10 @@ class InsufficientDiskSpaceError(OSError):
     """The offline hidden states would not fit on the destination filesystem."""
 
 
-def estimate_hidden_state_bytes(num_tokens: int, hidden_size: int, num_aux: int = 3, dtype_bytes: int = 2) -> int:
-    """Bytes of offline hidden states: tokens x (num_aux aux states + 1 last state) x H x bytes.
-
-    Example: 1M tokens of an H=4096 target, 3 aux, bf16 -> 1e6 * 4 * 4096 * 2 = 32.8 GB.
-    """
-    return num_tokens * (num_aux + 1) * hidden_size * dtype_bytes
-
-
 def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: int, dtype_bytes: int) -> int:
     """Shard bytes: hidden states + int64 ids + uint8 mask per token + int64 length/id per sample."""
-    return estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype_bytes) + 9 * num_tokens + 16 * num_samples
+    states = estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype_bytes)
+    return states + 9 * num_tokens + 16 * num_samples
 
 
 def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
@@ -398,7 +402,10 @@ def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(directory).free
     required = int(need * 1.05) + (100 << 20)
-    log(f"hidden states: need {need / 1e9:.3f} GB (+headroom {required / 1e9:.3f} GB), free {free / 1e9:.3f} GB at {directory}")
+    log(
+        f"hidden states: need {need / 1e9:.3f} GB (+headroom {required / 1e9:.3f} GB), "
+        f"free {free / 1e9:.3f} GB at {directory}"
+    )
     if required > free:
         raise InsufficientDiskSpaceError(
             f"offline hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
@@ -506,7 +513,8 @@ def dump_hidden_states(
     progress("hidden_states", finished, len(samples))
     for name, members in plan:
         if name not in entries:
-            digest, size = _write_shard(capture_shard(extractor, members, data_cfg.capture_batch_size, dtype), directory / name)
+            tensors = capture_shard(extractor, members, data_cfg.capture_batch_size, dtype)
+            digest, size = _write_shard(tensors, directory / name)
             entries[name] = _shard_entry(name, members, digest, size)
             written += size
             finished += len(members)
@@ -529,7 +537,9 @@ def _shard_entry(name: str, members: list[dict], digest: str, size: int) -> dict
     }
 
 
-def _manifest_header(extractor: TargetFeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]) -> dict:
+def _manifest_header(
+    extractor: TargetFeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]
+) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -542,7 +552,9 @@ def _manifest_header(extractor: TargetFeatureExtractor, data_cfg: DataConfig, fi
         "dtype": data_cfg.hidden_states_dtype,
         "max_length": data_cfg.max_length,
         "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},
-        "num_tokens": {sp: sum(len(s["input_ids"]) for s in samples if s["split"] == sp) for sp in ("train", "validation")},
+        "num_tokens": {
+            sp: sum(len(s["input_ids"]) for s in samples if s["split"] == sp) for sp in ("train", "validation")
+        },
     }
 
 
@@ -824,9 +836,13 @@ def _target_facts(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConf
     }
     context = text.get("max_position_embeddings", data_cfg.max_length)
     if data_cfg.max_length > context:
-        raise ValueError(f"data.max_length={data_cfg.max_length} exceeds the target context (max_position_embeddings={context})")
+        raise ValueError(
+            f"data.max_length={data_cfg.max_length} exceeds the target context (max_position_embeddings={context})"
+        )
     if data_cfg.draft_vocab_size > facts["vocab_size"]:
-        raise ValueError(f"data.draft_vocab_size={data_cfg.draft_vocab_size} exceeds the target vocab ({facts['vocab_size']})")
+        raise ValueError(
+            f"data.draft_vocab_size={data_cfg.draft_vocab_size} exceeds the target vocab ({facts['vocab_size']})"
+        )
     arch, layers = facts["architecture"], facts["num_hidden_layers"]
     facts["hf_indices"] = aux_ids_to_hf_indices(arch, target_cfg.aux_layer_ids, layers)
     facts["aux_layer_ids"] = target_cfg.aux_layer_ids or default_aux_layer_ids(arch, layers)
@@ -906,7 +922,18 @@ def generate_dataset(
             loaded["model"] = load_target(target_dir, target_cfg.dtype, device)[0]
         return loaded["model"]
 
-    samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log)
+    # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
+    with cpu_threads() if device == "cpu" else contextlib.nullcontext():
+        samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log)
+        vocab_info, dump = _vocab_and_states(
+            samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log
+        )
+    summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
+    return summary | {"wall_s": time.perf_counter() - started}
+
+
+def _vocab_and_states(samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log):
+    """Draft vocab from the train split, then the offline dump (None when online)."""
     progress("vocab", 0, 1)
     train = [s for s in samples if s["split"] == "train"]
     _, vocab_info = build_or_load_draft_vocab(
@@ -919,5 +946,4 @@ def generate_dataset(
         extractor = TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"])
         fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, data_cfg)
         dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress, log)
-    summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
-    return summary | {"wall_s": time.perf_counter() - started}
+    return vocab_info, dump

@@ -33,6 +33,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache
 
+from eagle3.capture import decoder_layers
+
 GREEDY_EPS = 1e-6  # SGLang sampling_params._SAMPLING_EPS: a lower temperature means greedy (top_k = 1)
 
 
@@ -92,17 +94,15 @@ class TargetModel:
     Args:
         model: a transformers `*ForCausalLM` in eval mode.
         aux_hidden_indices: HF `output_hidden_states` indices concatenated (ascending) into the
-            aux features EAGLE-3 needs; SGLang aux id k is HF index k + 1 for Llama-family targets.
+            aux features EAGLE-3 needs (eagle3.capture.aux_ids_to_hf_indices of the draft's ids).
+            Captured by hooks as eagle3.capture does: index j < L is the residual stream entering
+            decoder layer j, index L the last layer's pre-norm output.
     """
 
     def __init__(self, model: torch.nn.Module, aux_hidden_indices: Sequence[int] = ()) -> None:
         self.model = model.eval()
         self.config = model.config
         self.aux_hidden_indices = tuple(sorted(set(aux_hidden_indices)))
-        n_layers = int(self.config.num_hidden_layers)
-        if any(not 0 <= i < n_layers for i in self.aux_hidden_indices):
-            # HF index L is the final *normed* output, not the residual stream SGLang captures
-            raise ValueError(f"aux hidden indices must be in [0, {n_layers}), found {self.aux_hidden_indices}")
         self.vocab_size = int(self.config.vocab_size)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         eos = getattr(model, "generation_config", None)
@@ -111,6 +111,27 @@ class TargetModel:
             eos = self.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.dtype = next(model.parameters()).dtype
+        self._captured: dict[int, torch.Tensor] | None = None
+        self._install_capture_hooks()
+
+    def _install_capture_hooks(self) -> None:
+        layers = decoder_layers(self.model)
+        n_layers = len(layers)
+        if any(not 0 <= i <= n_layers for i in self.aux_hidden_indices):
+            raise ValueError(f"aux hidden indices must be in [0, {n_layers}], found {self.aux_hidden_indices}")
+
+        def record(index: int, hidden: torch.Tensor) -> None:
+            if self._captured is not None:
+                self._captured[index] = hidden
+
+        for i in self.aux_hidden_indices:
+            if i < n_layers:
+                layers[i].register_forward_pre_hook(
+                    lambda m, args, kwargs, i=i: record(i, args[0] if args else kwargs["hidden_states"]),
+                    with_kwargs=True)
+            else:
+                layers[-1].register_forward_hook(
+                    lambda m, args, out, i=i: record(i, out[0] if isinstance(out, tuple) else out))
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -130,18 +151,15 @@ class TargetModel:
         attention_mask: additive float mask [1, 1, N, S_past + N] for tree verification.
         """
         want_aux = with_aux and bool(self.aux_hidden_indices)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=want_aux,
-            logits_to_keep=1 if last_only else 0,
-        )
-        aux = None
-        if want_aux:
-            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_hidden_indices], dim=-1)  # [N, k*H_t]
+        self._captured = {} if want_aux else None
+        try:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+            aux = None
+            if want_aux:
+                aux = torch.cat([self._captured[i][0] for i in self.aux_hidden_indices], dim=-1)  # [N, k*H_t]
+        finally:
+            self._captured = None
         return out.logits[0].float(), aux
 
 

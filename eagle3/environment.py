@@ -370,7 +370,10 @@ def check_disk(facts: Facts, needs: Needs) -> Check:
 
 
 def hidden_state_bytes(num_tokens: int, hidden_size: int, num_aux: int = 3, dtype_bytes: int = 2) -> int:
-    """Offline dump size: per token, `num_aux` aux states plus the last hidden state."""
+    """Offline dump size: tokens x (num_aux aux states + 1 last state) x H x bytes.
+
+    Example: 1M tokens of an H=4096 target, 3 aux, bf16 -> 1e6 * 4 * 4096 * 2 = 32.8 GB.
+    """
     return num_tokens * (num_aux + 1) * hidden_size * dtype_bytes
 
 

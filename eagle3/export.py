@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from eagle3.capture import max_capture_index, sglang_layers_to_capture
 from eagle3.config import ExportConfig
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, target_rope_settings
 
@@ -95,18 +96,6 @@ def read_target_embedding(target_dir: Path) -> Tensor:
                 if key in f.keys():
                     return f.get_tensor(key)
     raise FileNotFoundError(f"{target_dir}: no safetensors file holds one of {_TARGET_EMBED_NAMES}")
-
-
-def sglang_capture_indices(architecture: str, ids: list[int], num_layers: int) -> list[int]:
-    """Where SGLang's target captures for config ids `ids` (HF `hidden_states` index = the
-    residual entering that layer). Llama/Qwen family: id + 1; DeepSeek-V2/V3, Kimi-K2.5,
-    GLM-4-MoE-Lite: +1 only if ids[0] == 1; gpt-oss: as-is if max(ids) == L, else +1."""
-    arch = architecture.lower()
-    if any(name in arch for name in ("deepseek", "kimik25", "glm4moelite")):
-        return [i + 1 for i in ids] if ids and ids[0] == 1 else list(ids)
-    if "gptoss" in arch:
-        return list(ids) if ids and max(ids) == num_layers else [i + 1 for i in ids]
-    return [i + 1 for i in ids]
 
 
 def _architecture(target_config: dict) -> str:
@@ -214,8 +203,8 @@ def build_speculators_config(
     cfg: DraftModelConfig, target_config: dict, speculative_tokens: int, verifier: str, dtype: str = "bfloat16"
 ) -> dict[str, Any]:
     """config.json of the vLLM speculators format; ids in vLLM's convention (input of layer k)."""
-    vllm_ids = sglang_capture_indices(_architecture(target_config), list(cfg.aux_layer_ids),
-                                      target_config.get("num_hidden_layers", 0))
+    vllm_ids = sglang_layers_to_capture(_architecture(target_config), list(cfg.aux_layer_ids),
+                                        target_config.get("num_hidden_layers", 0))
     return {
         "architectures": [SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -374,8 +363,11 @@ def _check_layer_ids(config: dict, target_config: dict) -> list[Problem]:
     if list(ids) != sorted(set(ids)):
         problems.append(Problem("aux_layer_ids_order", f"ids {ids} are not strictly ascending: SGLang captures in "
                                 "ascending layer order, once per layer, so the fc input chunks would be permuted or missing"))
-    capture = sglang_capture_indices(_architecture(target_config), list(ids), num_layers)
-    top = num_layers if "gptoss" in _architecture(target_config).lower() else num_layers - 1
+    try:
+        capture = sglang_layers_to_capture(_architecture(target_config), list(ids), num_layers)
+        top = max_capture_index(_architecture(target_config), num_layers)
+    except ValueError as err:
+        return problems + [Problem("aux_layer_ids_rule", f"cannot check the layer ids: {err}")]
     bad = [i for i, c in zip(ids, capture) if not 0 <= c <= top]
     if bad:
         problems.append(Problem("aux_layer_ids_range", f"ids {bad} map to capture indices outside 0..{top} of a "

@@ -10,6 +10,7 @@ changes (config, corpus bytes, this file's code), or a stale target is silently 
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import json
@@ -59,7 +60,7 @@ CHAT_TEMPLATE = (
 )
 
 CONTINUE_PREFIX = "Continue this Python code:\n"
-DOCSTRING_PREFIX = "Write the Python function `{name}` with this docstring:\n"
+DOCSTRING_PREFIX = "Write the Python function `{name}` with this signature and docstring:\n"
 PROMPT_MAX_CHARS = 400
 RESPONSE_MAX_CHARS = 400
 # Tests, IDLE and lib2to3 fixtures are not library code; encodings/ is generated charmap tables
@@ -195,15 +196,16 @@ def make_continue_example(text: str, rng: random.Random) -> ChatExample | None:
     prompt_lines = _take_lines(lines[start:], PROMPT_MAX_CHARS, rng.randint(3, 10))
     rest = lines[start + len(prompt_lines) :]
     response_lines = _take_lines(rest, RESPONSE_MAX_CHARS, rng.randint(4, 16))
-    prompt, response = "\n".join(prompt_lines).rstrip(), "\n".join(response_lines).rstrip()
+    # An answer opens with code, not with the blank line that may follow the snippet.
+    prompt, response = "\n".join(prompt_lines).rstrip(), "\n".join(response_lines).strip("\n").rstrip()
     if not prompt.strip() or not response.strip():
         return None
     return ChatExample(CONTINUE_PREFIX + prompt, response, "continue")
 
 
 @functools.lru_cache(maxsize=4096)
-def _documented_functions(text: str) -> tuple[tuple[str, str, str], ...]:
-    """(name, docstring, dedented source) of every documented function in a module's text."""
+def _documented_functions(text: str) -> tuple[tuple[str, str, str, str], ...]:
+    """(name, def header, docstring, source) of every documented function, dedented."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -211,26 +213,32 @@ def _documented_functions(text: str) -> tuple[tuple[str, str, str], ...]:
     lines = text.splitlines()
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
             doc = ast.get_docstring(node)
-            if doc and node.end_lineno:
+            if doc:
+                header_end = max(node.body[0].lineno - 1, node.lineno)  # the def line(s), not the docstring
+                header = textwrap.dedent("\n".join(lines[node.lineno - 1 : header_end]))
                 source = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-                found.append((node.name, doc, source))
+                found.append((node.name, header, doc, source))
     return tuple(found)
 
 
 def make_docstring_example(text: str, rng: random.Random) -> ChatExample | None:
-    """Prompt = a function's name and docstring; response = the function's source (capped)."""
+    """Prompt = a function's signature and docstring; response = the function's source (capped).
+
+    The answer restates the prompt's signature and docstring before the body, so much of it
+    is copying from context: learnable by a small target, and predictable for the draft.
+    """
     functions = _documented_functions(text)
     if not functions:
         return None
-    name, doc, source = functions[rng.randrange(len(functions))]
-    doc_lines = _take_lines(doc.splitlines(), PROMPT_MAX_CHARS, 12)
-    response_lines = _take_lines(source.splitlines(), RESPONSE_MAX_CHARS, 24)
-    response = "\n".join(response_lines).rstrip()
-    if not response.strip():
+    name, header, doc, source = functions[rng.randrange(len(functions))]
+    doc_lines = _take_lines(doc.splitlines(), PROMPT_MAX_CHARS - len(header), 12)
+    response = "\n".join(_take_lines(source.splitlines(), RESPONSE_MAX_CHARS, 24)).rstrip()
+    if not response.strip() or len(header) > PROMPT_MAX_CHARS:
         return None
-    return ChatExample(DOCSTRING_PREFIX.format(name=name) + "\n".join(doc_lines).rstrip(), response, "docstring")
+    prompt = DOCSTRING_PREFIX.format(name=name) + header + "\n" + "\n".join(doc_lines).rstrip()
+    return ChatExample(prompt, response, "docstring")
 
 
 def sample_chat_examples(
@@ -498,7 +506,8 @@ def chat_response_loss(model, tokenizer, examples: Sequence[ChatExample], max_le
 @torch.no_grad()
 def greedy_reply(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """The target's greedy answer to one user prompt (for eval.json, a human sanity check)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     out = model.generate(
         input_ids=ids,
@@ -539,7 +548,12 @@ def code_sha256() -> str:
 def tiny_target_key(cfg: TinyTargetConfig, corpus_sha: str) -> str:
     """Cache key = sha256(config without num_threads, resolved precision, corpus, code)."""
     fields = cfg.model_dump(exclude={"num_threads"})
-    payload = {"config": fields, "precision": resolve_precision(cfg.precision), "corpus": corpus_sha, "code": code_sha256()}
+    payload = {
+        "config": fields,
+        "precision": resolve_precision(cfg.precision),
+        "corpus": corpus_sha,
+        "code": code_sha256(),
+    }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -547,15 +561,26 @@ def _thread_count(requested: int, own_threads: int = 0) -> int:
     """Requested threads, or (0) the usable cores that other processes are not keeping busy.
 
     On a shared machine, OpenMP threads that outnumber the free cores spin in barriers while
-    a peer is descheduled: measured here, an 8x256 step went from 1.0 s (1 thread) to 5 s
-    (2 threads) with another job running. The 1-minute load average minus our own threads
-    estimates the busy cores.
+    a peer is descheduled: measured on 2 cores with another job running, a training step
+    went from 1.0 s (1 thread) to 5 s (2 threads) and a generate step from 7 ms to 200 ms.
+    The 1-minute load average minus our own threads estimates the busy cores.
     """
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     others = max(0.0, os.getloadavg()[0] - own_threads) if hasattr(os, "getloadavg") else 0.0
     return max(1, cores - int(others + 0.5))
+
+
+@contextlib.contextmanager
+def cpu_threads(requested: int = 0):
+    """Run a block with _thread_count(requested) torch CPU threads, restoring the old count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(_thread_count(requested))
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _save_target(model, tokenizer, out: Path, info: dict, evaluation: dict) -> None:
@@ -582,6 +607,11 @@ def _build_into(cfg: TinyTargetConfig, files: list[CorpusFile], out: Path, info:
     progress("tokenizer", 0, 1)
     tokenizer = train_tokenizer(files, cfg.vocab_size)
     stream = encode_documents(tokenizer, files)
+    if len(stream) <= cfg.seq_len:
+        raise ValueError(
+            f"target.tiny.corpus_max_bytes={cfg.corpus_max_bytes} gives {len(stream)} tokens, "
+            f"fewer than one training sequence (seq_len={cfg.seq_len})"
+        )
     chat_rows = round(cfg.batch_size * cfg.chat_fraction)
     pool_size = min(max(chat_rows * cfg.train_steps, 1), 20_000) if chat_rows else 0
     examples = sample_chat_examples(files, pool_size, cfg.seed, strict=False) if pool_size else []
@@ -633,17 +663,15 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_root: Path, on_progress: Prog
         "corpus_sha256": corpus_sha256(files),
         "code_sha256": code_sha256(),
     }
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(_thread_count(cfg.num_threads))
     try:
-        _build_into(cfg, files, tmp, info, progress)
+        with cpu_threads(cfg.num_threads):
+            _build_into(cfg, files, tmp, info, progress)
         try:
             os.rename(tmp, final)
         except OSError:
             if not (final / "eval.json").is_file():
                 raise
     finally:
-        torch.set_num_threads(previous_threads)
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 

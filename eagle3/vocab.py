@@ -87,7 +87,10 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, data_hash: st
 
 
 def vocab_data_hash(
-    input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], draft_vocab_size: int, target_vocab_size: int
+    input_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    draft_vocab_size: int,
+    target_vocab_size: int,
 ) -> str:
     """sha256 over every sample's ids and mask, N and V: the cache key of a draft vocab."""
     h = hashlib.sha256(f"N={draft_vocab_size};V={target_vocab_size};n={len(input_ids)}".encode())
@@ -118,7 +121,9 @@ def load_draft_vocab(out_dir: Path, expected_hash: str | None = None) -> DraftVo
         raise FileNotFoundError(f"no {VOCAB_FILE} + {VOCAB_INFO} in {out_dir}")
     info = json.loads(info_path.read_text())
     if expected_hash is not None and info.get("data_hash") != expected_hash:
-        raise ValueError(f"draft vocab in {out_dir} was built for data {info.get('data_hash')}, expected {expected_hash}")
+        raise ValueError(
+            f"draft vocab in {out_dir} was built for data {info.get('data_hash')}, expected {expected_hash}"
+        )
     tensors = load_file(str(path))
     return DraftVocab(d2t=tensors["d2t"], t2d=tensors["t2d"], data_hash=info["data_hash"])
 

@@ -39,7 +39,10 @@ def test_training_corpus_is_deterministic_bounded_and_disjoint_from_heldout():
 def test_docstring_example_is_the_documented_function():
     text = 'import os\n\n\ndef area(w, h):\n    """Area of a w x h rectangle."""\n    return w * h\n'
     example = make_docstring_example(text, random.Random(0))
-    assert example.prompt == "Write the Python function `area` with this docstring:\nArea of a w x h rectangle."
+    assert example.prompt == (
+        "Write the Python function `area` with this signature and docstring:\n"
+        "def area(w, h):\nArea of a w x h rectangle."
+    )
     assert example.response == 'def area(w, h):\n    """Area of a w x h rectangle."""\n    return w * h'
     assert example.messages() == [
         {"role": "user", "content": example.prompt},
@@ -57,9 +60,8 @@ def test_target_dir_is_a_standard_hf_dir(tiny_target_dir):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_target_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-    )
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<|bos|><|system|>\ns<|end|>\n<|user|>\nhi<|end|>\n<|assistant|>\n"
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids)[:2] == ["<|bos|>", "<|system|>"]
