@@ -134,6 +134,20 @@ def tokenize_chat(
     return TokenizedChat(ids[:max_length], mask[:max_length])
 
 
+def tokenize_generated(tokenizer, prompt: Sequence[Message], answer_ids: Sequence[int], max_length: int) -> TokenizedChat:
+    """A sample from the target's own generation: the prompt as it was rendered for generation
+    (with the assistant header) followed by the generated ids, stop token included, masked in.
+
+    Example: prompt ids [bos, <|user|>, "hi", <|end|>, <|assistant|>] + answer [a, b, <|end|>]
+    -> input_ids [bos, <|user|>, "hi", <|end|>, <|assistant|>, a, b, <|end|>],
+       loss_mask [0, 0, 0, 0, 0, 1, 1, 1].
+    """
+    prompt_ids = tokenizer(render_chat(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    ids = list(prompt_ids) + list(answer_ids)
+    mask = [0] * len(prompt_ids) + [1] * len(answer_ids)
+    return TokenizedChat(ids[:max_length], mask[:max_length])
+
+
 def chat_template_sha256(tokenizer) -> str:
     """sha256 of the chat template text (recorded with the data to detect template drift)."""
     template = tokenizer.chat_template or ""

@@ -38,7 +38,15 @@ from torch.utils.data import Dataset
 from transformers import AutoTokenizer, GenerationConfig
 
 from eagle3.capture import TargetFeatureExtractor, aux_ids_to_hf_indices, default_aux_layer_ids
-from eagle3.chat import Message, chat_template_sha256, render_chat, tokenize_chat, turn_stop_ids, validate_messages
+from eagle3.chat import (
+    Message,
+    chat_template_sha256,
+    render_chat,
+    tokenize_chat,
+    tokenize_generated,
+    turn_stop_ids,
+    validate_messages,
+)
 from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
 from eagle3.environment import hidden_state_bytes as estimate_hidden_state_bytes
 from eagle3.tiny_target import cpu_threads, heldout_corpus, load_target, sample_chat_examples
@@ -58,6 +66,8 @@ __all__ = [
 ProgressFn = Callable[[str, int, int], None]
 LogFn = Callable[[str], None]
 SAMPLES_FILE = "samples.jsonl"
+# Bumped when the way samples are built changes (2: the target's own generated ids are kept).
+SAMPLES_FORMAT = 2
 SAMPLES_META = "samples.meta.json"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -136,13 +146,15 @@ def prompt_part(messages: Sequence[Message], where: str = "conversation") -> lis
 class RegenerationLog:
     """Append-only record of finished responses, so a killed regeneration resumes where it stopped.
 
-    File lines are {"i": prompt index, "response": str}; the file name carries the run's
-    fingerprint, so answers from other settings or another target are never mixed in.
+    File lines are {"i": prompt index, "response": str[, "ids": [int]]}; the file name carries
+    the run's fingerprint, so answers from other settings or another target are never mixed in.
+    `ids` are the target's own generated token ids (local backend): see `tokenize_generated`.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.done: dict[int, str] = {}
+        self.token_ids: dict[int, list[int]] = {}
         if path.is_file():
             for line in path.read_text(encoding="utf-8").splitlines():
                 try:
@@ -150,13 +162,19 @@ class RegenerationLog:
                 except json.JSONDecodeError:
                     break  # a line cut by a kill; everything before it is valid
                 self.done[int(entry["i"])] = entry["response"]
+                if entry.get("ids") is not None:
+                    self.token_ids[int(entry["i"])] = entry["ids"]
         self._lock = threading.Lock()
         self._fh = path.open("a", encoding="utf-8")
 
-    def add(self, index: int, response: str) -> None:
+    def add(self, index: int, response: str, ids: list[int] | None = None) -> None:
         with self._lock:
             self.done[index] = response
-            self._fh.write(json.dumps({"i": index, "response": response}) + "\n")
+            entry: dict = {"i": index, "response": response}
+            if ids is not None:
+                self.token_ids[index] = ids
+                entry["ids"] = ids
+            self._fh.write(json.dumps(entry) + "\n")
             self._fh.flush()
 
     def close(self) -> None:
@@ -189,8 +207,13 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids) -> list[str]:
-    """One batched HF generate call; each answer is cut at its first stop token."""
+def _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids) -> list[tuple[str, list[int]]]:
+    """One batched HF generate call -> (answer text, generated ids incl. the stop token) per row.
+
+    The ids are kept because a model's token stream is often not the canonical tokenization of
+    its own decoded text; training on re-tokenized text would show the draft contexts the
+    target never produces when serving.
+    """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     ids, mask = _left_pad(rows, pad_id)
     device = next(model.parameters()).device
@@ -202,7 +225,7 @@ def _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids) -> list[str
     answers = []
     for row in out[:, ids.shape[1] :].tolist():
         cut = next((k for k, t in enumerate(row) if t in stop_ids), len(row))
-        answers.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+        answers.append((tokenizer.decode(row[:cut], skip_special_tokens=True), row[: cut + 1]))
     return answers
 
 
@@ -229,8 +252,8 @@ def regenerate_local(
         rows = [prompt_ids[i] for i in batch]
         # the batch's longest prompt decides, so no answer runs past max_length (<= the context)
         max_new = min(rcfg.max_new_tokens, max_length - max(len(r) for r in rows))
-        for i, answer in zip(batch, _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids), strict=True):
-            record.add(i, answer)
+        for i, (answer, ids) in zip(batch, _generate_batch(model, tokenizer, rows, rcfg, max_new, stop_ids), strict=True):
+            record.add(i, answer, ids)
         progress("regenerate", len(prompts) - len(todo) + b + len(batch), len(prompts))
 
 
@@ -335,15 +358,21 @@ def split_ids(num: int, validation_fraction: float, seed: int) -> set[int]:
 
 
 def build_samples(
-    tokenizer, conversations: list[list[Message]], data_cfg: DataConfig, stop_ids: list[int], progress: ProgressFn
+    tokenizer, conversations: list[list[Message]], data_cfg: DataConfig, stop_ids: list[int], progress: ProgressFn,
+    answer_ids: dict[int, list[int]] | None = None,
 ) -> tuple[list[dict], int]:
     """Tokenize + mask every conversation; drop those with no assistant token; split train/validation.
 
+    answer_ids: the target's generated ids of conversation n's final answer, used as they are
+    (prompt rendered exactly as it was for generation) instead of re-tokenizing the text.
     Returns (samples, dropped); sample = {"id", "split", "messages", "input_ids", "loss_mask"}.
     """
-    kept = []
+    kept, answer_ids = [], answer_ids or {}
     for n, messages in enumerate(conversations):
-        tokenized = tokenize_chat(tokenizer, messages, data_cfg.max_length, stop_ids)
+        if n in answer_ids:
+            tokenized = tokenize_generated(tokenizer, messages[:-1], answer_ids[n], data_cfg.max_length)
+        else:
+            tokenized = tokenize_chat(tokenizer, messages, data_cfg.max_length, stop_ids)
         if tokenized.num_assistant_tokens:
             kept.append({"messages": messages, "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask})
         if (n + 1) % 256 == 0 or n + 1 == len(conversations):
@@ -736,6 +765,7 @@ def samples_fingerprint(target_dir: Path, data_cfg: DataConfig) -> str:
     for unrelated in ("concurrency", "retries", "timeout_s", "batch_size", "backoff_s", "api_key_set"):
         rcfg.pop(unrelated)
     payload = {
+        "format": SAMPLES_FORMAT,
         "target": _target_identity(target_dir),
         "prompts": _prompts_identity(data_cfg),
         "data": data_cfg.model_dump(include={"num_samples", "max_length", "validation_fraction", "seed"}),
@@ -752,14 +782,15 @@ def _generation_eos(target_dir: Path) -> int | list[int] | None:
 def _final_conversations(
     conversations: list[list[Message]], data_cfg: DataConfig, load_model: Callable, tokenizer,
     stop_ids: list[int], out_dir: Path, fingerprint: str, progress: ProgressFn, log: LogFn,
-) -> list[list[Message]]:
-    """Conversations with the target's answers (regeneration on) or as given (off)."""
+) -> tuple[list[list[Message]], dict[int, list[int]]]:
+    """Conversations with the target's answers (regeneration on) or as given (off), and the
+    target's generated token ids per conversation where the backend returns them (local)."""
     rcfg = data_cfg.regenerate
     if not rcfg.enabled:
         for n, c in enumerate(conversations):
             if c[-1]["role"] != "assistant":
                 raise ValueError(f"data.regenerate.enabled is false but conversation {n} has no final assistant answer")
-        return conversations
+        return conversations, {}
     prompts = [prompt_part(c, f"conversation {n}") for n, c in enumerate(conversations)]
     record = RegenerationLog(out_dir / f".regenerated-{fingerprint[:16]}.jsonl")
     if record.done:
@@ -774,7 +805,8 @@ def _final_conversations(
             regenerate_http(prompts, rcfg, record, progress, log)
     finally:
         record.close()
-    return [p + [{"role": "assistant", "content": record.done[i]}] for i, p in enumerate(prompts)]
+    final = [p + [{"role": "assistant", "content": record.done[i]}] for i, p in enumerate(prompts)]
+    return final, dict(record.token_ids)
 
 
 def _prepare_samples(
@@ -792,10 +824,10 @@ def _prepare_samples(
     progress("prompts", 0, 1)
     conversations = load_conversations(data_cfg, log)
     progress("prompts", 1, 1)
-    final = _final_conversations(
+    final, answer_ids = _final_conversations(
         conversations, data_cfg, load_model, tokenizer, stop_ids, out_dir, fingerprint, progress, log
     )
-    samples, dropped = build_samples(tokenizer, final, data_cfg, stop_ids, progress)
+    samples, dropped = build_samples(tokenizer, final, data_cfg, stop_ids, progress, answer_ids)
     if not any(s["split"] == "train" for s in samples):
         raise ValueError(f"no usable training sample: all {len(final)} conversations had no assistant token "
                          f"within data.max_length={data_cfg.max_length}")

@@ -460,3 +460,34 @@ def test_post_retries_timeouts_and_rejects_malformed_replies():
     assert logs[0].endswith("-> ConnectTimeout; retry 1/2 in 0.50s") and "-> 429; retry 2/2" in logs[1]
     with pytest.raises(RuntimeError, match="malformed chat completion: 'not json'"):
         data_mod.post_chat_completion(client, "http://x/v1/chat/completions", {}, regen, logs.append, delays.append)
+
+
+def test_samples_carry_the_targets_own_greedy_token_stream(offline_run, tiny_target_dir):
+    """Answers are kept as the ids the target generated, not re-tokenized from their text:
+    serving decodes the target's own stream, so that is what the draft must train on."""
+    out, _, _ = offline_run
+    model, _ = load_target(tiny_target_dir)
+    same = total = 0
+    for sample in data_mod.read_samples(out / "samples.jsonl"):
+        ids, mask = sample["input_ids"], sample["loss_mask"]
+        start = mask.index(1)
+        assert all(mask[start:])  # prompt masked out, the whole answer masked in
+        with torch.inference_mode():
+            greedy = model.generate(torch.tensor([ids[:start]]), max_new_tokens=len(ids) - start, do_sample=False)
+        same += sum(a == b for a, b in zip(greedy[0, start:].tolist(), ids[start:]))
+        total += len(ids) - start
+    # Batched (left-padded) generation may flip a near-tie now and then, hence not == 1.
+    assert same / total >= 0.95
+
+
+def test_tokenize_generated_spells_out_prompt_and_answer(tiny_target_dir):
+    from eagle3.chat import render_chat, tokenize_generated
+
+    _, tokenizer = load_target(tiny_target_dir)
+    prompt = [{"role": "user", "content": "def f(x):"}]
+    prompt_ids = tokenizer(render_chat(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    got = tokenize_generated(tokenizer, prompt, [7, 9, end], max_length=64)
+    assert got.input_ids == prompt_ids + [7, 9, end]
+    assert got.loss_mask == [0] * len(prompt_ids) + [1, 1, 1]
+    assert tokenize_generated(tokenizer, prompt, [7, 9, end], max_length=len(prompt_ids) + 1).loss_mask[-1] == 1
