@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -111,27 +112,21 @@ class TargetModel:
             eos = self.config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.dtype = next(model.parameters()).dtype
-        self._captured: dict[int, torch.Tensor] | None = None
-        self._install_capture_hooks()
+        self._layers = decoder_layers(model)
+        if any(not 0 <= i <= len(self._layers) for i in self.aux_hidden_indices):
+            raise ValueError(f"aux hidden indices must be in [0, {len(self._layers)}], found {self.aux_hidden_indices}")
 
-    def _install_capture_hooks(self) -> None:
-        layers = decoder_layers(self.model)
-        n_layers = len(layers)
-        if any(not 0 <= i <= n_layers for i in self.aux_hidden_indices):
-            raise ValueError(f"aux hidden indices must be in [0, {n_layers}], found {self.aux_hidden_indices}")
+    def _capture_hooks(self, store: dict[int, torch.Tensor]) -> list:
+        """Hooks filling store[j] for each aux index during one forward (removed right after)."""
+        def pre(j, module, args, kwargs):
+            store[j] = args[0] if args else kwargs["hidden_states"]
 
-        def record(index: int, hidden: torch.Tensor) -> None:
-            if self._captured is not None:
-                self._captured[index] = hidden
+        def post(j, module, args, output):
+            store[j] = output[0] if isinstance(output, tuple) else output
 
-        for i in self.aux_hidden_indices:
-            if i < n_layers:
-                layers[i].register_forward_pre_hook(
-                    lambda m, args, kwargs, i=i: record(i, args[0] if args else kwargs["hidden_states"]),
-                    with_kwargs=True)
-            else:
-                layers[-1].register_forward_hook(
-                    lambda m, args, out, i=i: record(i, out[0] if isinstance(out, tuple) else out))
+        n = len(self._layers)
+        return [self._layers[j].register_forward_pre_hook(partial(pre, j), with_kwargs=True) if j < n
+                else self._layers[-1].register_forward_hook(partial(post, j)) for j in self.aux_hidden_indices]
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -150,16 +145,15 @@ class TargetModel:
         Returns logits [N, V] (or [1, V] with last_only) in float32 and aux [N, k*H_t] or None.
         attention_mask: additive float mask [1, 1, N, S_past + N] for tree verification.
         """
-        want_aux = with_aux and bool(self.aux_hidden_indices)
-        self._captured = {} if want_aux else None
+        store: dict[int, torch.Tensor] = {}
+        handles = self._capture_hooks(store) if with_aux else []
         try:
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                              cache=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
-            aux = None
-            if want_aux:
-                aux = torch.cat([self._captured[i][0] for i in self.aux_hidden_indices], dim=-1)  # [N, k*H_t]
         finally:
-            self._captured = None
+            for h in handles:
+                h.remove()
+        aux = torch.cat([store[j][0] for j in self.aux_hidden_indices], dim=-1) if store else None  # [N, k*H_t]
         return out.logits[0].float(), aux
 
 
@@ -225,7 +219,9 @@ class DraftTree:
             mask[i] |= mask[self.parents[i]]
         return mask
 
-    def verify_inputs(self, prefix_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def verify_inputs(
+        self, prefix_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """input_ids [1, N], position_ids [1, N], additive mask [1, 1, N, prefix_len + N] (None for chains)."""
         input_ids = torch.tensor([self.tokens], dtype=torch.long)
         position_ids = (torch.tensor(self.depths, dtype=torch.long) + prefix_len).unsqueeze(0)
@@ -249,7 +245,7 @@ def build_draft_tree(
     sample_temperature: float | None = None,
     generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """Grow SGLang's draft tree from a drafter's logits.
+    """Grow SGLang's draft tree from a drafter's logits (topk = 1: a chain of argmax tokens).
 
     Args:
         first_logits: [V_d] draft logits for the token after the root.
@@ -263,8 +259,9 @@ def build_draft_tree(
     to_target = (lambda ids: hot_token_ids[ids]) if hot_token_ids is not None else (lambda ids: ids)
     if sample_temperature is not None:
         assert spec.topk == 1, "sampled draft proposals are for chains"
-        return _sample_chain(root_token, first_logits, expand, spec, to_target, target_vocab_size,
-                             sample_temperature, generator, hot_token_ids)
+    if spec.topk == 1:
+        return _chain(root_token, first_logits, expand, spec.num_steps, to_target, sample_temperature, generator,
+                      hot_token_ids, target_vocab_size)
     k = spec.topk
     probs = torch.softmax(first_logits.float(), dim=-1)
     top_p, top_i = torch.topk(probs, k)  # step 1: [k]
@@ -303,19 +300,21 @@ def _organize_tree(root_token: int, scores: torch.Tensor, tokens: list[int], can
     return DraftTree(tokens=[root_token] + [tokens[c] for c in keep], parents=parents)
 
 
-def _sample_chain(root_token, first_logits, expand, spec, to_target, vocab_size, temperature, generator, hot_ids):
-    """Chain whose draft tokens are drawn from q = softmax(logits / T); q is kept for rejection sampling."""
-    qs, toks = [], []
-    logits = first_logits
-    for step in range(spec.num_steps):
-        q_d = torch.softmax(logits.float() / temperature, dim=-1)  # [V_d]
-        draft_idx = torch.multinomial(q_d, 1, generator=generator)
+def _chain(root_token, first_logits, expand, num_steps, to_target, temperature, generator, hot_ids, vocab_size):
+    """topk = 1: each draft token is the argmax (greedy; SGLang's top-1 of the same softmax), or a
+    sample from q = softmax(logits / T) whose q is kept (scattered to the target vocab) for rejection sampling."""
+    toks, qs, logits = [], [], first_logits
+    for step in range(num_steps):
+        if temperature is None:
+            draft_idx = logits.argmax()
+        else:
+            q = torch.softmax(logits.float() / temperature, dim=-1)  # [V_d]
+            draft_idx = torch.multinomial(q, 1, generator=generator)
+            qs.append(q if hot_ids is None else torch.zeros(vocab_size).index_copy_(0, hot_ids, q))
         toks.append(int(to_target(draft_idx)))
-        qs.append(q_d if hot_ids is None else torch.zeros(vocab_size).index_copy_(0, hot_ids, q_d))
-        if step + 1 < spec.num_steps:
+        if step + 1 < num_steps:
             logits = expand([0], torch.tensor([toks[-1]]))[0]
-    n = len(toks) + 1
-    return DraftTree(tokens=[root_token] + toks, parents=list(range(-1, n - 1)), q=torch.stack(qs))
+    return DraftTree(tokens=[root_token] + toks, parents=list(range(-1, num_steps)), q=torch.stack(qs) if qs else None)
 
 
 # --------------------------------------------------------------------------- drafters
@@ -474,7 +473,7 @@ class Eagle3Drafter:
 
         def expand(parent_rows: list[int], tokens: torch.Tensor) -> torch.Tensor:
             n_past = state.cache[0].shape[2]
-            hidden = rows.hidden[parent_rows]  # [k, H]
+            hidden = rows.hidden if parent_rows == [0] else rows.hidden[parent_rows]  # [k, H]
             slots = [rows.slots[r] for r in parent_rows]
             new_slots = [s + [n_past - p + i] for i, s in enumerate(slots)]
             mask = None
@@ -646,7 +645,8 @@ class SpeculativeEngine:
         """One decode iteration (one target forward); returns the tokens committed by it."""
         assert not state.finished
         if not self.speculative:
-            logits, _ = self.target.forward(torch.tensor([[state.output_ids[-1]]]), state.cache)
+            position = torch.tensor([[cache_length(state.cache)]])
+            logits, _ = self.target.forward(torch.tensor([[state.output_ids[-1]]]), state.cache, position)
             return self._commit(state, [self._sample(logits, state)[0]])
         return self._speculative_step(state)
 

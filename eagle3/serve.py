@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import uvicorn
@@ -179,7 +179,8 @@ class Metrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, ln, registry=r).labels(**self.labels)
 
-        self.spec_accept_length = gauge("sglang:spec_accept_length", "The average acceptance length of speculative decoding.")
+        self.spec_accept_length = gauge("sglang:spec_accept_length",
+                                        "The average acceptance length of speculative decoding.")
         self.spec_accept_rate = gauge("sglang:spec_accept_rate", "The average acceptance rate of speculative decoding.")
         self.spec_num_steps = gauge("sglang:spec_num_steps", "Speculative decoding steps (draft depth).")
         self.spec_num_draft_tokens = gauge("sglang:spec_num_draft_tokens", "Tokens verified per speculative step.")
@@ -315,11 +316,8 @@ class Scheduler(threading.Thread):
                 if req.cancelled:
                     continue
                 self._running.append(req)  # counted as running from here on (flush_cache sees it)
-            try:
-                req.state = self.engine.start(req.input_ids, req.sampling)
-            except ValueError as e:
-                self._remove(req)
-                req.emit("error", str(e))
+            req.state = self._guarded(req, lambda: self.engine.start(req.input_ids, req.sampling))
+            if req.state is None:
                 continue
             self._log_prefill(req)
             self._after_tokens(req, req.state.output_ids[:])
@@ -330,12 +328,8 @@ class Scheduler(threading.Thread):
                 self._remove(req)
                 continue
             done_verifies = req.state.stats.verify_ct
-            try:
-                new = self.engine.step(req.state)
-            except Exception as e:  # a failing request must not take the worker (and every other request) down
-                logger.exception(f"Request {req.rid} failed in decode")
-                self._remove(req)
-                req.emit("error", f"{type(e).__name__}: {e}")
+            new = self._guarded(req, lambda: self.engine.step(req.state))
+            if new is None:
                 continue
             if self.engine.speculative:
                 accepted = req.state.stats.accepted_per_verify[done_verifies:]
@@ -349,6 +343,19 @@ class Scheduler(threading.Thread):
         self.metrics.num_queue_reqs.set(queued)
         if self.stats.iterations % self.settings.decode_log_interval == 0:
             self._report_decode(running, queued)
+
+    def _guarded(self, req: ServeRequest, run: Callable[[], Any]) -> Any:
+        """run(); on failure end this request with an error event (None returned), never the worker."""
+        try:
+            return run()
+        except ValueError as e:  # a request the engine refuses (context length, token ids)
+            message = str(e)
+        except Exception as e:  # a bug must not take the worker, and every other request, down
+            logger.exception(f"Request {req.rid} failed")
+            message = f"{type(e).__name__}: {e}"
+        self._remove(req)
+        req.emit("error", message)
+        return None
 
     def _after_tokens(self, req: ServeRequest, new: list[int]) -> None:
         """Account new tokens, apply stop strings, stream, finish."""
@@ -494,7 +501,8 @@ def build_settings(argv: list[str]) -> ServerSettings:
 def _check_servable(res: SpecResolution, ns) -> None:
     """What SGLang would run but this CPU reference server does not implement."""
     if res.speculative_algorithm != "EAGLE3":
-        raise ValueError(f"eagle3.serve serves EAGLE3 drafts only, found speculative_algorithm={res.speculative_algorithm}")
+        raise ValueError(f"eagle3.serve serves EAGLE3 drafts only, found "
+                         f"speculative_algorithm={res.speculative_algorithm}")
     if res.speculative_draft_model_path is None:
         raise ValueError("--speculative-algorithm EAGLE3 needs --speculative-draft-model-path")
     if res.speculative_adaptive:
@@ -593,9 +601,9 @@ def _add_admin_routes(app: FastAPI, scheduler: Scheduler, settings: ServerSettin
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": int(started),
-                                            "owned_by": "sglang", "root": settings.args.model_path,
-                                            "max_model_len": settings.context_length}]}
+        card = {"id": settings.served_model_name, "object": "model", "created": int(started), "owned_by": "sglang",
+                "root": settings.args.model_path, "max_model_len": settings.context_length}
+        return {"object": "list", "data": [card]}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -801,7 +809,8 @@ async def _openai_stream(req: ServeRequest, body: _OpenAIBody, model: str, chat:
             choice = {"index": 0, "finish_reason": finish}
             choice.update({"delta": {"role": "assistant", "content": delta}} if chat
                           else {"text": delta, "logprobs": None})
-            yield f"data: {json.dumps({'id': req.rid, 'object': obj, 'created': int(time.time()), 'model': model, 'choices': [choice]})}\n\n"
+            chunk = {"id": req.rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+            yield f"data: {json.dumps(chunk)}\n\n"
     except BadRequest as e:
         yield f"data: {json.dumps({'error': {'message': str(e)}})}\n\n"
     if meta is not None and (body.stream_options or {}).get("include_usage"):

@@ -440,11 +440,13 @@ def _check_rejection_sampling(res: SpecResolution, ns: argparse.Namespace) -> No
             f"not speculative_algorithm={res.speculative_algorithm}."
         )
     if res.speculative_eagle_topk != 1:
-        raise _ResolutionFailure("ValueError: --speculative-use-rejection-sampling requires --speculative-eagle-topk=1.")
+        raise _ResolutionFailure(
+            "ValueError: --speculative-use-rejection-sampling requires --speculative-eagle-topk=1.")
     if ns.speculative_accept_threshold_single != 1.0 or ns.speculative_accept_threshold_acc != 1.0:
         raise _ResolutionFailure(
-            "ValueError: --speculative-use-rejection-sampling is incompatible with --speculative-accept-threshold-single"
-            " / --speculative-accept-threshold-acc; rejection sampling ignores the accept thresholds."
+            "ValueError: --speculative-use-rejection-sampling is incompatible with "
+            "--speculative-accept-threshold-single / --speculative-accept-threshold-acc; rejection sampling ignores "
+            "the accept thresholds."
         )
     res.adjustments.append(("info", MSG_REJECTION_INFO))
 

@@ -137,7 +137,8 @@ def post(server, path: str, body) -> httpx.Response:
 
 def test_startup_log_has_sglang_warnings_and_ready_line(server):
     log = server.log_text()
-    assert "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1" in log
+    assert ("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
+            "speculative_eagle_topk == 1") in log
     assert "Overlap schedule is not implemented for speculative decoding on CPU." in log
     assert "Ignoring --tp-size=1" in log and "Ignoring --mem-fraction-static=0.8" in log
     assert "The server is fired up and ready to roll!" in log
@@ -182,7 +183,8 @@ def test_health_is_503_while_loading():
 def test_cli_errors_mirror_argparse(capsys):
     assert serve.main(["--model-path", "/m", "--bogus-flag", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: eagle3.serve") and "eagle3.serve: error: unrecognized arguments: --bogus-flag 1" in err
+    assert err.startswith("usage: eagle3.serve")
+    assert "eagle3.serve: error: unrecognized arguments: --bogus-flag 1" in err
     assert serve.main(["--model-path", "/m", "--cuda-graph-max-bs", "8"]) == 2
     assert "error: ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode, " \
            "--cuda-graph-max-bs-prefill" in capsys.readouterr().err

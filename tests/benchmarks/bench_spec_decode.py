@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", type=Path, required=True, help="SGLang-format EAGLE-3 export dir of the trained draft")
     p.add_argument("--target", type=Path, default=None, help="HF target dir (default: the tiny target)")
-    p.add_argument("--cache-root", type=Path, default=REPO / "runs" / "cache", help="tiny target cache")
+    p.add_argument("--cache-root", type=Path, default=REPO / "runs" / "cache" / "targets",
+                   help="tiny target cache (the pipeline's, tasks/data.py)")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma list of steps/topk/draft_tokens")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -284,8 +284,9 @@ class RecordingDraft(torch.nn.Module):
 
     def decoder_step(self, input_ids, hidden_states, position_ids, attention_mask=None, past_key_value=None):
         past = 0 if past_key_value is None else past_key_value[0].shape[2]
-        self.calls.append(dict(input_ids=input_ids.clone(), hidden=hidden_states.clone(), positions=position_ids.clone(),
-                               mask=None if attention_mask is None else attention_mask.clone(), past=past))
+        self.calls.append(dict(input_ids=input_ids.clone(), hidden=hidden_states.clone(),
+                               positions=position_ids.clone(), past=past,
+                               mask=None if attention_mask is None else attention_mask.clone()))
         return self.inner.decoder_step(input_ids, hidden_states, position_ids, attention_mask, past_key_value)
 
 

@@ -192,7 +192,8 @@ def test_parser_mirrors_sglang_flag_errors():
         parse_launch_args(["--model-path", "/m", "--speculative-num", "3"])
     with pytest.raises(LaunchArgsError, match="unrecognized arguments: --speculative-eagle"):
         parse_launch_args(["--model-path", "/m", "--speculative-eagle", "3"])  # unique prefixes are refused too
-    ns = parse_launch_args(["--model", "/m", "--speculative-draft-model=/d", "--tp", "2", "--cuda-graph-max-bs-decode", "4"])
+    ns = parse_launch_args(["--model", "/m", "--speculative-draft-model=/d", "--tp", "2",
+                            "--cuda-graph-max-bs-decode", "4"])
     assert ns.model_path == "/m" and ns.speculative_draft_model_path == "/d" and ns.tp_size == 2
     res = resolve_speculative_args(["--model-path", "/m", "--bogus"])
     assert res.errors == ["error: unrecognized arguments: --bogus"]
