@@ -5,9 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle3.config import TinyTargetConfig
 from eagle3.tiny_target import build_tiny_target
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The CI box has 2 shared cores; OpenMP spinning across them makes tiny ops 10-100x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_test_config(**overrides) -> TinyTargetConfig:

@@ -60,12 +60,6 @@ TARGET = {
 AUX = [1, 3, 4]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_model(seed: int = 0) -> tuple[Eagle3DraftModel, torch.Tensor]:

@@ -9,13 +9,6 @@ from eagle3.masks import build_causal_mask, build_ttt_attention_mask, build_ttt_
 from eagle3.model import _ttt_attention_math, ttt_attention
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CI box has 2 shared cores; OpenMP spinning across them makes tiny ops 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_ttt_mask_step0_is_causal():

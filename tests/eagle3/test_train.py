@@ -36,12 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 V, HT, VD = 96, 32, 48
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------- synthetic world
