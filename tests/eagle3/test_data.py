@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -332,6 +333,26 @@ def test_draft_vocab_larger_than_target_is_rejected(tiny_target_dir, tmp_path):
 # --------------------------------------------------------------------------- HTTP regeneration
 
 
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """Run a FastAPI app with uvicorn on a free 127.0.0.1 port; yields its base URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "test server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 @pytest.fixture()
 def chat_server():
     """A real OpenAI-style server on 127.0.0.1 whose first request fails with 503."""
@@ -350,19 +371,8 @@ def chat_server():
         answer = f"def answer():\n    return {len(prompt)}"
         return {"choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}]}
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "test server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", state
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(app) as url:
+        yield url, state
 
 
 def test_http_regeneration_retries_and_hides_the_key(chat_server, tiny_target_dir, tmp_path):
@@ -395,23 +405,12 @@ def test_http_gives_up_on_client_errors(tmp_path):
         calls.append(1)
         return JSONResponse({"error": "bad model"}, status_code=400)
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
+    with serve_in_thread(app) as url:
         record = data_mod.RegenerationLog(tmp_path / "r.jsonl")
-        regen = RegenerateConfig(backend="http", endpoint=f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01)
+        regen = RegenerateConfig(backend="http", endpoint=url, retries=3, backoff_s=0.01)
         with pytest.raises(RuntimeError, match="failed after 1 attempt.*400"):
             data_mod.regenerate_http([[{"role": "user", "content": "x"}]], regen, record, lambda *a: None, print)
         assert len(calls) == 1
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 # --------------------------------------------------------------------------- target head
