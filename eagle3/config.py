@@ -235,6 +235,12 @@ class TrainConfig(StrictModel):
         None, ge=1, description="Validation batches per rank per evaluation; None = the whole split."
     )
     draft: DraftShapeConfig = Field(default_factory=DraftShapeConfig, description="Draft layer shape.")
+    init_checkpoint: str | None = Field(
+        None,
+        min_length=1,
+        description="Start from this draft's weights (a train_draft checkpoint or an exported sglang folder with "
+        "the same draft vocabulary) instead of a fresh init; its content is part of the training stage's inputs.",
+    )
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> TrainConfig:

@@ -49,7 +49,7 @@ from eagle3.model import DraftModelConfig, Eagle3DraftModel, TTTCache
 MetricsFn = Callable[[int, dict[str, float]], None]
 ProgressFn = Callable[[int, int], None]
 # Fields that may change between a run and its resume: they do not change the math.
-_RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpoints", "num_workers", "eval_max_batches"}
+RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpoints", "num_workers", "eval_max_batches"}
 _STAT_ROWS = 4  # ce_sum, counted positions, correct, loss-masked positions
 
 
@@ -338,6 +338,28 @@ def load_draft_checkpoint(checkpoint_dir: Path, target_embedding: Tensor | None 
     if target_embedding is not None:
         draft.load_target_embedding(target_embedding)
     return draft
+
+
+def load_initial_weights(draft: Eagle3DraftModel, source: Path) -> None:
+    """Start `draft` from another draft's weights (a training checkpoint or an SGLang export).
+
+    The vocab mapping must be the same: lm_head row i means draft token d2t-mapped i, so rows
+    trained under another mapping would predict other tokens.
+    """
+    weights = Path(source) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"train.init_checkpoint: {weights} not found (expected a checkpoint or sglang export folder)")
+    state = load_file(str(weights))
+    own = draft.state_dict()
+    unexpected = sorted(set(state) - set(own))
+    wrong_shape = sorted(k for k in set(state) & set(own) if state[k].shape != own[k].shape)
+    if unexpected or wrong_shape:
+        raise ValueError(f"train.init_checkpoint: {weights} does not fit this draft: unexpected {unexpected}, "
+                         f"shape differs for {wrong_shape}")
+    if "d2t" in state and not torch.equal(state["d2t"].to(own["d2t"].dtype), own["d2t"]):
+        raise ValueError(f"train.init_checkpoint: {weights} was trained with another draft vocabulary (d2t differs); "
+                         "start from scratch or regenerate the data with its vocab")
+    draft.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
 
 
 # ============================================================================ trainer
@@ -649,7 +671,7 @@ class Trainer:
 
     def _check_resumable(self, ckpt: Path, state: dict) -> None:
         saved, current = state["train_config"], self.cfg.model_dump(mode="json")
-        diff = sorted(k for k in set(saved) | set(current) if k not in _RESUMABLE_FIELDS and saved.get(k) != current.get(k))
+        diff = sorted(k for k in set(saved) | set(current) if k not in RESUMABLE_FIELDS and saved.get(k) != current.get(k))
         if diff:
             raise ValueError(f"{ckpt}: train config differs from the checkpoint's in {diff}; "
                              "use a new out_dir or the original config")
@@ -765,6 +787,9 @@ def train_draft(
     if config.shares_target_embedding:
         draft.load_target_embedding(head["embed_tokens"])
     draft.set_vocab_mapping(*_load_vocab_mapping(data_dir, out_dir, config.vocab_size, draft_vocab_size, log))
+    if cfg.init_checkpoint:
+        load_initial_weights(draft, Path(cfg.init_checkpoint))
+        log(f"starting from the weights of {cfg.init_checkpoint}")
     trainer = Trainer(draft, head["lm_head"], cfg, train_data, val_data, out_dir, collate_fn=collate_hidden_states,
                       online_features=online_features, on_metrics=on_metrics, on_progress=on_progress, log=log,
                       logit_softcap=head["config"].get("final_logit_softcapping"))

@@ -59,17 +59,33 @@ def _fail_config(error: ConfigError) -> None:
 
 @app.command()
 def validate(config: Path = typer.Argument(..., help="Experiment or sweep YAML.")) -> None:
-    """Validate a config and print it resolved (defaults filled, ${ENV} expanded, secrets masked)."""
+    """Validate a config and print it resolved (defaults filled, ${ENV} expanded, secrets masked),
+    then check its SGLang launch flags: what SGLang would refuse is an error, what it would rewrite
+    is an error unless deploy.speculative.allow_adjustments is set."""
     try:
-        if is_sweep(config):
-            for name, cfg in load_sweep(config):
-                out.rule(name)
-                out.print(Syntax(masked_yaml(cfg), "yaml"))
-            return
-        out.print(Syntax(masked_yaml(load_experiment(config)), "yaml"))
+        variants = load_sweep(config) if is_sweep(config) else [(None, load_experiment(config))]
     except ConfigError as error:
         _fail_config(error)
+    errors = 0
+    for name, cfg in variants:
+        if name:
+            out.rule(name)
+        out.print(Syntax(masked_yaml(cfg), "yaml"))
+        errors += _print_launch_findings(config, name, cfg)
+    if errors:
+        raise typer.Exit(BAD_INPUT)
     err.print(f"[green]ok[/green] {config}")
+
+
+def _print_launch_findings(config: Path, variant: str | None, cfg) -> int:
+    from tasks.launch import validate_launch
+
+    where = f"{config}" + (f" ({variant})" if variant else "")
+    findings = validate_launch(cfg)
+    style = {"error": "[red]error[/red]", "warning": "[yellow]warning[/yellow]", "info": "[dim]info[/dim]"}
+    for finding in findings:
+        err.print(f"{style[finding.level]} {where}: {finding.line()}", highlight=False, soft_wrap=True)
+    return sum(f.level == "error" for f in findings)
 
 
 @app.command()
@@ -101,6 +117,22 @@ def run(
         _run_one(config, selected, run_dir, index)
 
 
+def _exit_interrupted(config: Path, variant: int | None, stop: KeyboardInterrupt) -> None:
+    """One line (which stage, how to resume), exit 130 for Ctrl-C, 143 for SIGTERM."""
+    from flows.runtime import Terminated
+    from tasks.pipeline import Pipeline
+
+    signal_name, code = ("SIGTERM", 143) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
+    pipeline = Pipeline.active
+    if pipeline is None:
+        err.print(f"interrupted ({signal_name}) before the run started; nothing was recorded", highlight=False)
+        raise typer.Exit(code)
+    where = f"during {pipeline.current_stage}" if pipeline.current_stage else "between stages"
+    again = f"eagleops run {config} --run-dir {pipeline.run.path}" + (f" --variant {variant}" if variant is not None else "")
+    err.print(f"interrupted ({signal_name}) {where}; resume with: {again}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
 def _variants(config: Path, variant: int | None) -> list[int | None]:
     if not is_sweep(config):
         load_experiment(config, variant)
@@ -114,18 +146,26 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
     from flows.experiment import eagle3_experiment
-    from tasks.pipeline import StageFailed
+    from flows.runtime import prefect_api, signals_as_exceptions
+    from tasks.pipeline import Pipeline, SelectionError, StageFailed
+    from tasks.secrets import redact
 
+    Pipeline.active = None
     try:
-        state = eagle3_experiment(
-            str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant, return_state=True
-        )
-        result = state.result()
+        with signals_as_exceptions(), prefect_api():
+            result = eagle3_experiment(
+                str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant
+            )
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (flows.runtime.Terminated)
+        _exit_interrupted(config, variant, stop)
+    except SelectionError as error:
+        err.print(f"[red]error[/red] --stages: {redact(str(error))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(BAD_INPUT)
     except StageFailed as failure:
-        err.print(f"[red]stage failed[/red] {failure}")
+        err.print(f"[red]stage failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
     except ValueError as error:  # bad --run-dir contents, unknown stage
-        err.print(f"[red]error[/red] {error}")
+        err.print(f"[red]error[/red] {redact(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(BAD_INPUT)
     table = Table(title=f"{config} -> {result['run_dir']}")
     table.add_column("stage")

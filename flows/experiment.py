@@ -17,7 +17,7 @@ from tasks.config import load_experiment
 from tasks.data import generate_data
 from tasks.env import check_environment
 from tasks.export import export_checkpoint
-from tasks.pipeline import Pipeline
+from tasks.pipeline import Pipeline, is_interrupt
 from tasks.report import report
 from tasks.train import train_draft
 
@@ -47,7 +47,7 @@ def eagle3_experiment(
         pipeline.run_pending("run_benchmark", "benchmarking is not built yet")
         # 7. one table of everything
         pipeline.run_stage(report)
-    except BaseException:
-        pipeline.finish("FAILED")
+    except BaseException as err:
+        pipeline.finish("KILLED" if is_interrupt(err) else "FAILED")
         raise
     return pipeline.finish("FINISHED")

@@ -19,8 +19,9 @@ import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
 
 from eagle3.config import DataConfig, ExportConfig, StrictModel, TargetConfig, TrainConfig
+from tasks.secrets import MASK, redact_obj, url_credentials
 
-SECRET_MASK = "**********"
+SECRET_MASK = MASK
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
@@ -60,6 +61,11 @@ class SpeculativeConfig(StrictModel):
     eagle_topk: int | None = Field(None, ge=1, le=64, description="--speculative-eagle-topk (branching).")
     num_draft_tokens: int | None = Field(
         None, ge=2, le=1024, description="--speculative-num-draft-tokens (verified tokens incl. the root)."
+    )
+    allow_adjustments: bool = Field(
+        False,
+        description="Launch even when SGLang would rewrite the asked values (e.g. topk 1 forces num_draft_tokens = "
+        "num_steps + 1); the asked and the effective values are both recorded. Off: the preflight refuses.",
     )
 
 
@@ -379,8 +385,9 @@ def _model_type(annotation: Any) -> type[BaseModel] | None:
 
 
 def masked_dict(cfg: BaseModel) -> dict:
-    """JSON-able dump with every secret replaced by the mask."""
-    return cfg.model_dump(mode="json")
+    """JSON-able dump with every secret replaced by the mask: `SecretStr` fields (pydantic dumps
+    them masked) and credentials inside URL strings (`https://user:pass@host` -> `https://****@host`)."""
+    return redact_obj(cfg.model_dump(mode="json"))
 
 
 def masked_yaml(cfg: BaseModel) -> str:
@@ -411,13 +418,16 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def secret_values(cfg: BaseModel) -> list[str]:
-    """Every secret's plain value (non-empty), so callers can assert none of them leak."""
+    """Every secret's plain value (non-empty): `SecretStr` fields and URL credentials, for
+    `tasks.secrets.register_secrets` and for tests that assert none of them leak."""
     found: list[str] = []
 
     def walk(value: Any) -> None:
         if isinstance(value, SecretStr):
             if value.get_secret_value():
                 found.append(value.get_secret_value())
+        elif isinstance(value, str):
+            found.extend(url_credentials(value))
         elif isinstance(value, BaseModel):
             for name in type(value).model_fields:
                 walk(getattr(value, name))

@@ -19,6 +19,7 @@ from eagle3.data import generate_dataset
 from eagle3.tiny_target import build_tiny_target
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
+from tasks.rundir import digest_json, digest_paths
 
 
 def resolve_target_dir(cfg: ExperimentConfig, ctx: StageContext) -> Path:
@@ -56,7 +57,18 @@ def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         **summary,
         "metrics": metrics,
         "outputs": {"target_dir": str(target_dir), "dataset_dir": str(dataset_dir), **{k: v for k, v in summary["paths"].items() if v}},
+        "output_digest": dataset_digest(target_dir, summary),
     }
+
+
+def dataset_digest(target_dir: Path, summary: dict) -> str:
+    """Content digest of what training consumes: samples, vocab map, the hidden-state shards'
+    manifest (it holds each shard's sha256, so terabytes are not re-read) and the target's identity."""
+    paths = summary["paths"]
+    hashed = [paths["samples"], paths["vocab"], target_dir / "config.json"]
+    if paths.get("hidden_states"):
+        hashed.append(Path(paths["hidden_states"]) / "manifest.json")
+    return digest_json([digest_paths(hashed), str(target_dir.resolve())])
 
 
 def _log_to_mlflow(ctx: StageContext, target_dir: Path, summary: dict) -> None:

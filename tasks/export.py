@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.export import export_checkpoint as run_export
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
+from tasks.rundir import digest_json, digest_paths
 from tasks.tracking import RunLogger
 
 
@@ -50,4 +51,5 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         version = register_checkpoint(ctx.mlflow, cfg.export.registered_model, "checkpoint/sglang")
         logger().info(f"registered {cfg.export.registered_model} version {version}")
         outputs["registered_model_version"] = f"{cfg.export.registered_model}/{version}"
-    return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs}
+    digest = digest_json([digest_paths(result["formats"].values()), str(target_dir.resolve())])
+    return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs, "output_digest": digest}

@@ -1,11 +1,17 @@
-"""The stage runner behind the experiment flow: selection, resume, run directory, MLflow runs.
+"""The stage runner behind the experiment flow: selection, resume by real inputs, run folder, MLflow runs.
 
-A stage is a Prefect task `fn(cfg, ctx) -> summary` (see `StageContext`). `Pipeline.run`
-decides whether it runs (selected with --stages? completed earlier with the same inputs?),
-opens its MLflow child run, calls it, and records status, outputs and fingerprint in the
-manifest. A failure is recorded everywhere (manifest, child and parent run FAILED) and then
-re-raised so the flow stops before any later, more expensive stage. Nothing a stage already
-wrote is deleted.
+A stage is a Prefect task `fn(cfg, ctx) -> summary` (see `StageContext`). Its inputs are the
+config fields it reads and the content digests of the upstream outputs it consumes
+(`STAGE_SPECS`), hashed into a fingerprint. `Pipeline.run_stage` decides:
+- a completed attempt with the same fingerprint exists -> reuse its outputs (no new work);
+- the latest attempt ended unfinished with the same fingerprint -> resume it in place;
+- otherwise -> a new attempt folder (earlier attempts are kept, never overwritten).
+Stages that measure or touch other machines (`always_run`) run every time. So changing
+`deploy.port` re-runs deploy and benchmark only, changing `train.lr` re-runs training and what
+consumes the new checkpoint, and a changed secret re-runs nothing (secrets are masked before
+hashing). A failure is recorded everywhere (manifest, child and parent run FAILED) and
+re-raised so the flow stops; an interrupt (Ctrl-C, SIGTERM) is recorded as `interrupted`
+and KILLED. Nothing a stage already wrote is deleted.
 """
 
 from __future__ import annotations
@@ -21,23 +27,45 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from tasks.config import ExperimentConfig, config_hash, masked_yaml, section_hash
-from tasks.rundir import RunDirectory, elapsed_since, fingerprint, now_iso, write_json_atomic
-from tasks.tracking import RunLogger, eagleops_version, git_commit, reopen_run, start_child_run, start_parent_run, tracking_uri_for
+from eagle3.train import RESUMABLE_FIELDS
+from tasks.config import ExperimentConfig, config_hash, flatten, masked_dict, masked_yaml, secret_values
+from tasks.rundir import RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
+from tasks.secrets import install_log_redaction, redact, register_secrets
+from tasks.tracking import (
+    RunLogger, eagleops_version, git_commit, mark_run, reopen_run, start_child_run, start_parent_run, tracking_uri_for,
+)
 
-# Stage order and the config sections each stage's outputs depend on.
-STAGE_SECTIONS: dict[str, list[str]] = {
-    "check_environment": ["target", "data", "train", "deploy", "hosts", "runs_root"],
-    "generate_data": ["target", "data"],
-    "train_draft": ["train"],
-    "export_checkpoint": ["export"],
-    "deploy_server": ["deploy", "hosts"],
-    "run_benchmark": ["bench"],
-    "report": [],
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage reads: config fields (dotted prefixes, minus `ignore`) and upstream stages."""
+
+    config: tuple[str, ...] = ()
+    ignore: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()  # upstream outputs it cannot run without
+    uses: tuple[str, ...] = ()  # upstream outputs it reads when they exist (offline figures)
+    always_run: bool = False  # a measurement or a side effect on another machine: never reused
+
+
+# Regeneration settings that change how fast answers arrive, not which answers.
+_DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in ("concurrency", "retries", "timeout_s", "backoff_s", "api_key"))
+
+STAGE_SPECS: dict[str, StageSpec] = {
+    "check_environment": StageSpec(config=("target", "data", "train", "deploy", "hosts", "runs_root"), always_run=True),
+    "generate_data": StageSpec(config=("target", "data"), ignore=_DATA_OPERATIONAL + ("target.tiny.num_threads",)),
+    "train_draft": StageSpec(
+        config=("train", "data.draft_vocab_size", "data.hidden_states", "target.dtype"),
+        ignore=tuple(f"train.{k}" for k in RESUMABLE_FIELDS), needs=("generate_data",),
+    ),
+    "export_checkpoint": StageSpec(config=("export",), needs=("train_draft",)),
+    "deploy_server": StageSpec(config=("deploy", "hosts", "target.model_path"), needs=("export_checkpoint",),
+                               always_run=True),
+    "run_benchmark": StageSpec(config=("bench", "deploy"), needs=("deploy_server",),
+                               uses=("generate_data", "train_draft", "export_checkpoint"), always_run=True),
+    "report": StageSpec(uses=("generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"),
+                        always_run=True),
 }
-STAGES = list(STAGE_SECTIONS)
-# Stages with side effects on other machines or whose result is a measurement: never reused.
-ALWAYS_RUN = {"deploy_server", "run_benchmark", "report"}
+STAGES = list(STAGE_SPECS)
 # Stages that run whatever --stages says: the report summarises whatever ran.
 ALWAYS_SELECTED = {"report"}
 
@@ -46,11 +74,20 @@ class StageFailed(RuntimeError):
     """A stage raised; the message names the stage and its error."""
 
 
+class SelectionError(StageFailed):
+    """A stage cannot run: an upstream output it needs is not available in this run folder."""
+
+
 def logger() -> logging.Logger | logging.LoggerAdapter:
     try:
         return get_run_logger()
     except MissingContextError:
         return logging.getLogger("eagleops")
+
+
+def is_interrupt(err: BaseException) -> bool:
+    """Ctrl-C, SIGTERM (Prefect's TerminationSignal) or a SystemExit raised by a signal handler."""
+    return not isinstance(err, Exception)
 
 
 @dataclass
@@ -63,6 +100,7 @@ class StageContext:
     tracking_uri: str
     mlflow_run_id: str
     upstream: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attempt: int = 1
 
     @property
     def mlflow(self) -> RunLogger:
@@ -97,8 +135,41 @@ class ProgressLog:
         logger().info(f"{self.label}: {what} {done}/{total} ({rate:.1f}/s{eta})")
 
 
+def stage_inputs(cfg: ExperimentConfig, name: str, upstream_digests: dict[str, str | None], version: str) -> dict:
+    """The config fields a stage reads (flattened, secrets masked) and its upstream digests."""
+    spec = STAGE_SPECS[name]
+    flat = flatten(masked_dict(cfg))
+    fields = {
+        key: value for key, value in flat.items()
+        if any(key == p or key.startswith(p + ".") for p in spec.config)
+        and not any(key == p or key.startswith(p + ".") for p in spec.ignore)
+    }
+    upstream = {u: upstream_digests.get(u) for u in spec.needs + spec.uses}
+    if name == "train_draft" and cfg.train.init_checkpoint:  # a file input named by the config: its content counts
+        start = Path(cfg.train.init_checkpoint)
+        upstream["init_checkpoint"] = digest_paths([start]) if start.exists() else "missing"
+    return {"config": fields, "upstream": upstream, "version": version}
+
+
+def describe_changes(before: dict, after: dict) -> str:
+    """`train.lr 0.001 -> 0.002, generate_data output changed` for a log line."""
+    changes = []
+    old_cfg, new_cfg = before.get("config", {}), after.get("config", {})
+    for key in sorted(set(old_cfg) | set(new_cfg)):
+        if old_cfg.get(key) != new_cfg.get(key):
+            changes.append(f"{key} {old_cfg.get(key, '(unset)')} -> {new_cfg.get(key, '(unset)')}")
+    for name in sorted(set(before.get("upstream", {})) | set(after.get("upstream", {}))):
+        if before.get("upstream", {}).get(name) != after.get("upstream", {}).get(name):
+            changes.append(f"{name} output changed")
+    if before.get("version") != after.get("version"):
+        changes.append(f"eagleops {before.get('version')} -> {after.get('version')}")
+    return ", ".join(changes) or "nothing recorded"
+
+
 class Pipeline:
     """One experiment run: its run directory, MLflow parent run and the stages chosen for it."""
+
+    active: Pipeline | None = None  # the pipeline of this process's running flow, for the CLI's interrupt line
 
     def __init__(
         self,
@@ -111,12 +182,18 @@ class Pipeline:
         unknown = sorted(set(selected or []) - set(STAGES))
         if unknown:
             raise ValueError(f"unknown stage(s) {unknown}; stages are {STAGES}")
-        self.cfg, self.selected = cfg, selected
+        register_secrets(secret_values(cfg))
+        install_log_redaction()
+        self.cfg, self.config_path, self.selected = cfg, config_path, selected
         self.version = eagleops_version()
-        self.run = self._open_run_dir(config_path, run_dir)
-        self.parent = self._open_parent_run(config_path, flow_run_id)
+        self.digests: dict[str, str] = {}
         self.results: dict[str, dict[str, Any]] = {}
-        self.fingerprints: dict[str, str] = {}
+        self.current_stage: str | None = None
+        self.run = self._open_run_dir(config_path, run_dir)
+        self._check_selection()
+        self.parent = self._open_parent_run(config_path, flow_run_id)
+        self._close_stale_attempts()
+        Pipeline.active = self
 
     # ------------------------------------------------------------------ setup
 
@@ -161,71 +238,152 @@ class Pipeline:
         logger().info(f"MLflow parent run {parent.run_id} at {parent.tracking_uri}")
         return parent
 
+    def _close_stale_attempts(self) -> None:
+        """Attempts a killed process left `running`: interrupted in the manifest, KILLED in MLflow."""
+        for name, attempt in self.run.interrupted_attempts():
+            logger().warning(f"{name}: attempt {attempt['attempt']} was interrupted (its process died); "
+                             "it resumes in place if its inputs are unchanged")
+            if attempt.get("mlflow_run_id"):
+                mark_run(self.parent.tracking_uri, attempt["mlflow_run_id"], "KILLED")
+            self.run.update_attempt(name, attempt, status="interrupted", error="the process running it died")
+
+    # ------------------------------------------------------------------ selection
+
+    def _is_selected(self, name: str) -> bool:
+        return self.selected is None or name in self.selected or name in ALWAYS_SELECTED
+
+    def _check_selection(self) -> None:
+        """Fail before any work when a selected stage needs outputs that will not exist.
+
+        Walks the stages in order with the digests known now: a stage that will run has an
+        unknown output until it ran, so a deselected stage downstream of it is not reusable.
+        """
+        if self.selected is None:
+            return
+        known: dict[str, str | None] = {}
+        for name in STAGES:
+            spec = STAGE_SPECS[name]
+            if self._is_selected(name):
+                missing = [u for u in spec.needs if u not in known]
+                if missing:
+                    raise SelectionError(self._missing_message(name, missing[0]))
+                known[name] = None if spec.always_run else self._reusable_digest(name, known)
+            elif not spec.always_run and (digest := self._reusable_digest(name, known)) is not None:
+                known[name] = digest
+
+    def _reusable_digest(self, name: str, known: dict[str, str | None]) -> str | None:
+        if any(known.get(u) is None for u in STAGE_SPECS[name].needs):
+            return None
+        digests = {k: v for k, v in known.items() if v is not None}
+        fingerprint = digest_json(stage_inputs(self.cfg, name, digests, self.version))
+        attempt = self.run.completed_attempt(name, fingerprint)
+        return attempt.get("output_digest") if attempt else None
+
+    def _missing_message(self, name: str, upstream: str) -> str:
+        if any(a.get("status") == "completed" for a in self.run.attempts(upstream)):
+            return (f"{name} needs the outputs of {upstream}, but {upstream}'s inputs changed since its last "
+                    f"completed attempt in {self.run.path}; add {upstream} to --stages so it runs again")
+        return (f"{name} needs the outputs of {upstream}, which {self.run.path} has not completed; add {upstream} "
+                f"to --stages, or resume a run folder where it completed with --run-dir RUN")
+
     # ------------------------------------------------------------------ stages
 
     def run_stage(self, task: Any) -> dict[str, Any] | None:
         """Run one stage task unless it is deselected or reusable; return its summary."""
-        name = task.name
-        stage_fingerprint = self._fingerprint(name)
-        if self.selected is not None and name not in self.selected and name not in ALWAYS_SELECTED:
-            return self._reuse_or_skip(name, stage_fingerprint, "not selected with --stages")
-        if name not in ALWAYS_RUN and self.run.is_reusable(name, stage_fingerprint):
-            logger().info(f"{name}: completed earlier with the same inputs; reusing its outputs")
-            return self._remember(name, stage_fingerprint, self.run.stage(name).get("summary", {}))
-        return self._execute(task, name, stage_fingerprint)
+        name, spec = task.name, STAGE_SPECS[task.name]
+        inputs = stage_inputs(self.cfg, name, self.digests, self.version)
+        fingerprint = digest_json(inputs)
+        reusable = None if spec.always_run else self.run.completed_attempt(name, fingerprint)
+        if not self._is_selected(name):
+            if reusable:
+                return self._reuse(name, reusable)
+            logger().info(f"{name}: skipped (not selected with --stages)")
+            if not self.run.attempts(name):
+                self.run.mark_stage(name, status="skipped", reason="not selected with --stages")
+            return None
+        if reusable:
+            logger().info(f"{name}: completed earlier with the same inputs (attempt {reusable['attempt']}); reusing it")
+            return self._reuse(name, reusable)
+        missing = [u for u in spec.needs if u not in self.results]
+        if missing:
+            raise SelectionError(self._missing_message(name, missing[0]))
+        attempt = self._attempt_for(name, fingerprint, inputs, spec)
+        return self._execute(task, name, attempt)
 
     def run_pending(self, name: str, reason: str) -> None:
         """A stage that is not built yet: logged and recorded as such, never faked."""
         logger().warning(f"{name}: not available yet ({reason}); skipped")
-        self.run.update_stage(name, status="not_available", reason=reason)
+        self.run.mark_stage(name, status="not_available", reason=reason)
 
-    def _execute(self, task: Any, name: str, stage_fingerprint: str) -> dict[str, Any]:
-        child = start_child_run(self.parent, name, {"prefect.flow_run_id": self._flow_run_id()})
-        ctx = StageContext(name, self.run.stage_dir(name), self.run.path, child.tracking_uri, child.run_id, dict(self.results))
-        self.run.update_stage(name, status="running", started=now_iso(), mlflow_run_id=child.run_id, fingerprint=stage_fingerprint)
+    def _attempt_for(self, name: str, fingerprint: str, inputs: dict, spec: StageSpec) -> dict[str, Any]:
+        resumable = None if spec.always_run else self.run.resumable_attempt(name, fingerprint)
+        if resumable:
+            logger().info(f"{name}: resuming attempt {resumable['attempt']} (it ended {resumable['status']})")
+            return resumable
+        previous = self.run.attempts(name)
+        if previous and not spec.always_run:
+            logger().info(f"{name}: inputs changed since attempt {previous[-1]['attempt']} "
+                          f"({describe_changes(previous[-1].get('inputs', {}), inputs)}); new attempt")
+        return self.run.new_attempt(name, fingerprint, inputs)
+
+    def _execute(self, task: Any, name: str, attempt: dict[str, Any]) -> dict[str, Any]:
+        child = start_child_run(self.parent, name, {"prefect.flow_run_id": self._flow_run_id(),
+                                                    "eagleops.attempt": attempt["attempt"]})
+        stage_dir = Path(attempt["dir"])
+        ctx = StageContext(name, stage_dir, self.run.path, child.tracking_uri, child.run_id, dict(self.results),
+                           attempt["attempt"])
+        self.run.update_attempt(name, attempt, status="running", started=now_iso(), mlflow_run_id=child.run_id,
+                                error=None)
+        self.current_stage = name
         start = time.monotonic()
         try:
             summary = task(self.cfg, ctx) or {}
-        except Exception as err:
-            self._record_failure(name, child, err, start)
-            raise StageFailed(f"{name} failed: {err}") from err
+        except BaseException as err:
+            self._record_failure(name, attempt, child, err, start)
+            if is_interrupt(err):
+                raise
+            raise StageFailed(f"{name} failed: {redact(str(err))}") from err
+        self.current_stage = None
+        return self._record_success(name, attempt, child, summary, start)
+
+    def _record_success(self, name, attempt, child: RunLogger, summary: dict, start: float) -> dict[str, Any]:
         wall = elapsed_since(start)
         summary = {**summary, "wall_time_s": wall}
-        write_json_atomic(ctx.stage_dir / "summary.json", summary)
+        digest = summary.pop("output_digest", None) or digest_json(summary.get("outputs", {}))
+        write_json_atomic(Path(attempt["dir"]) / "summary.json", summary)
         child.log_metrics({"wall_time_s": wall, **_numbers(summary.get("metrics", {}))})
         child.finish("FINISHED")
         self.parent.log_metrics({f"{name}.{k}": v for k, v in _numbers(summary.get("metrics", {})).items()})
         self.parent.log_metrics({f"{name}.wall_time_s": wall})
-        self.run.update_stage(name, status="completed", finished=now_iso(), wall_time_s=wall, summary=summary,
-                              outputs=summary.get("outputs", {}))
+        self.run.update_attempt(name, attempt, status="completed", finished=now_iso(), wall_time_s=wall,
+                                summary=summary, outputs=summary.get("outputs", {}), output_digest=digest)
         logger().info(f"{name}: completed in {wall:.1f}s")
-        return self._remember(name, stage_fingerprint, summary)
+        return self._remember(name, digest, summary)
 
-    def _record_failure(self, name: str, child: RunLogger, err: Exception, start: float) -> None:
-        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
-        self.run.update_stage(name, status="failed", finished=now_iso(), wall_time_s=elapsed_since(start), error=detail)
-        child.set_tags({"eagleops.error": detail[:5000]})
-        child.finish("FAILED")
-        logger().error(f"{name}: failed: {detail}")
+    def _record_failure(self, name, attempt, child: RunLogger, err: BaseException, start: float) -> None:
+        interrupted = is_interrupt(err)
+        detail = redact("".join(traceback.format_exception_only(type(err), err)).strip())
+        status = "interrupted" if interrupted else "failed"
+        if interrupted:
+            detail = f"interrupted ({type(err).__name__})"
+        self.run.update_attempt(name, attempt, status=status, finished=now_iso(), wall_time_s=elapsed_since(start),
+                                error=detail)
+        try:
+            child.set_tags({"eagleops.error": detail[:5000]})
+            child.finish("KILLED" if interrupted else "FAILED")
+        except Exception as tracking_err:  # the manifest already holds the truth; say why MLflow does not
+            logging.getLogger("eagleops").warning(f"{name}: could not record the {status} state in MLflow: {tracking_err}")
+        if not interrupted:
+            logger().error(f"{name}: failed: {detail}")
 
-    def _reuse_or_skip(self, name: str, stage_fingerprint: str, reason: str) -> dict[str, Any] | None:
-        if self.run.is_reusable(name, stage_fingerprint):
-            return self._remember(name, stage_fingerprint, self.run.stage(name).get("summary", {}))
-        logger().info(f"{name}: skipped ({reason})")
-        if self.run.stage(name).get("status") != "completed":
-            self.run.update_stage(name, status="skipped", reason=reason)
-        return None
+    def _reuse(self, name: str, attempt: dict[str, Any]) -> dict[str, Any]:
+        self.run.update_attempt(name, attempt)
+        return self._remember(name, attempt.get("output_digest") or "", attempt.get("summary", {}))
 
-    def _remember(self, name: str, stage_fingerprint: str, summary: dict[str, Any]) -> dict[str, Any]:
-        self.fingerprints[name] = stage_fingerprint
+    def _remember(self, name: str, digest: str, summary: dict[str, Any]) -> dict[str, Any]:
+        self.digests[name] = digest
         self.results[name] = summary
         return summary
-
-    def _fingerprint(self, name: str) -> str:
-        sections = [s for s in STAGE_SECTIONS[name] if s != "runs_root"]
-        upstream = [self.fingerprints.get(s, self.run.stage(s).get("fingerprint", "")) for s in STAGES[: STAGES.index(name)]]
-        extra = self.cfg.runs_root if "runs_root" in STAGE_SECTIONS[name] else ""
-        return fingerprint(name, section_hash(self.cfg, sections) + extra, upstream, self.version)
 
     def _flow_run_id(self) -> str:
         return self.run.manifest.get("prefect_flow_run_ids", ["unknown"])[-1]
@@ -234,10 +392,14 @@ class Pipeline:
 
     def finish(self, status: str) -> dict[str, Any]:
         stages = {name: entry.get("status") for name, entry in self.run.manifest["stages"].items()}
-        self.parent.set_tags({"eagleops.stages": json.dumps(stages)})
-        self.parent.finish(status)
+        try:
+            self.parent.set_tags({"eagleops.stages": json.dumps(stages)})
+            self.parent.finish(status)
+        except Exception as tracking_err:
+            logging.getLogger("eagleops").warning(f"could not record the run's {status} state in MLflow: {tracking_err}")
         self.run.update(status=status.lower(), finished=now_iso())
-        return {"run_dir": str(self.run.path), "mlflow_run_id": self.parent.run_id, "stages": stages, "status": status}
+        return {"run_dir": str(self.run.path), "mlflow_run_id": self.parent.run_id, "stages": stages, "status": status,
+                "results": self.results}
 
 
 def _numbers(metrics: dict[str, Any]) -> dict[str, float]:

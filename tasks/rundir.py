@@ -1,10 +1,14 @@
-"""Run directories: `runs/<experiment>/<run-id>/`, one subfolder per stage, and `manifest.json`.
+"""Run directories: `runs/<experiment>/<run-id>/`, one folder per stage and attempt, and `manifest.json`.
 
-The manifest makes a run readable without MLflow and resumable: per stage it records the
-status, a fingerprint of the stage's inputs (its config sections, the upstream stages'
-fingerprints and the eagleops version), the stage's outputs and its MLflow run id. A stage
-is skipped on resume only when it completed with the same fingerprint and its folder is
-still there. Writes are atomic (temp file + rename), so a kill never leaves half a manifest.
+A stage runs in `<stage>/attempt-N/`. A new attempt starts whenever the stage's inputs (its
+fingerprint: the config fields it reads plus the content digests of the upstream outputs it
+consumes) differ from the latest attempt's; an unfinished attempt with the same inputs is
+resumed in place (training continues from its checkpoint, data from its finished shards).
+Earlier attempts are never overwritten, so changing `train.lr` and back again reuses the
+first training. The manifest records, per stage, every attempt (status, fingerprint, inputs,
+outputs, output digest, MLflow run id) and which attempt is current. Writes are atomic
+(temp file + rename) and pass through `tasks.secrets.redact`, so a kill never leaves half a
+manifest and no secret reaches the folder.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+from tasks.secrets import redact
 
 MANIFEST = "manifest.json"
+# Statuses of an attempt that ended without completing and may be resumed in place.
+UNFINISHED = ("running", "failed", "interrupted")
 
 
 def new_run_id() -> str:
@@ -28,13 +36,31 @@ def new_run_id() -> str:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(redact(json.dumps(data, indent=2, default=str)) + "\n")
     os.replace(tmp, path)
 
 
-def fingerprint(stage: str, section_hash: str, upstream: list[str], version: str) -> str:
-    payload = json.dumps([stage, section_hash, upstream, version])
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+def digest_json(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def digest_paths(paths: Iterable[str | Path]) -> str:
+    """Content digest of files and directory trees (relative names + bytes); missing paths count as absent."""
+    entries = []
+    for root in sorted(str(p) for p in paths):
+        base = Path(root)
+        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
+        entries.append([root, [[str(f.relative_to(base)) if f != base else "", file_sha256(f)] for f in files]])
+    # The roots' absolute locations do not matter, only what is in them.
+    return digest_json([e[1] for e in entries])
 
 
 @dataclass
@@ -69,26 +95,55 @@ class RunDirectory:
     def run_id(self) -> str:
         return self.manifest["run_id"]
 
-    def stage_dir(self, stage: str) -> Path:
-        folder = self.path / stage
-        folder.mkdir(exist_ok=True)
-        return folder
+    # ------------------------------------------------------------------ stages and attempts
 
     def stage(self, stage: str) -> dict[str, Any]:
         return self.manifest["stages"].get(stage, {})
 
-    def is_reusable(self, stage: str, stage_fingerprint: str) -> bool:
-        entry = self.stage(stage)
-        return (
-            entry.get("status") == "completed"
-            and entry.get("fingerprint") == stage_fingerprint
-            and (self.path / stage).is_dir()
-        )
+    def attempts(self, stage: str) -> list[dict[str, Any]]:
+        return self.stage(stage).get("attempts", [])
 
-    def update_stage(self, stage: str, **fields: Any) -> None:
-        entry = self.manifest["stages"].setdefault(stage, {})
-        entry.update(fields)
+    def completed_attempt(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
+        """The newest completed attempt with these inputs whose folder still exists."""
+        for attempt in reversed(self.attempts(stage)):
+            if attempt.get("status") == "completed" and attempt.get("fingerprint") == fingerprint \
+                    and Path(attempt["dir"]).is_dir():
+                return attempt
+        return None
+
+    def resumable_attempt(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
+        """The latest attempt when it ended unfinished with the same inputs (resume it in place)."""
+        attempts = self.attempts(stage)
+        if attempts and attempts[-1].get("status") in UNFINISHED and attempts[-1].get("fingerprint") == fingerprint:
+            return attempts[-1]
+        return None
+
+    def new_attempt(self, stage: str, fingerprint: str, inputs: dict[str, Any]) -> dict[str, Any]:
+        number = len(self.attempts(stage)) + 1
+        folder = self.path / stage / f"attempt-{number}"
+        folder.mkdir(parents=True, exist_ok=False)
+        attempt = {"attempt": number, "dir": str(folder), "fingerprint": fingerprint, "inputs": inputs}
+        self.manifest["stages"].setdefault(stage, {}).setdefault("attempts", []).append(attempt)
         self.save()
+        return attempt
+
+    def update_attempt(self, stage: str, attempt: dict[str, Any], **fields: Any) -> None:
+        """Update one attempt and mirror it as the stage's current state."""
+        attempt.update(fields)
+        entry = self.manifest["stages"].setdefault(stage, {})
+        entry.update({k: v for k, v in attempt.items() if k not in ("inputs",)}, current_attempt=attempt["attempt"])
+        entry.pop("reason", None)
+        self.save()
+
+    def mark_stage(self, stage: str, **fields: Any) -> None:
+        """A stage-level note that is not an attempt (skipped, not selected); attempts stay as they were."""
+        self.manifest["stages"].setdefault(stage, {}).update(fields)
+        self.save()
+
+    def interrupted_attempts(self) -> list[tuple[str, dict[str, Any]]]:
+        """Attempts left `running` by a process that died (kill -9, power loss)."""
+        return [(name, a) for name, entry in self.manifest["stages"].items()
+                for a in entry.get("attempts", []) if a.get("status") == "running"]
 
     def update(self, **fields: Any) -> None:
         self.manifest.update(fields)

@@ -26,6 +26,7 @@ from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from tasks.config import ExperimentConfig, flatten, masked_dict, masked_yaml  # noqa: E402
+from tasks.secrets import redact, redact_obj  # noqa: E402
 
 MAX_PARAM_LENGTH = 6000
 BATCH = 100
@@ -77,7 +78,7 @@ class RunLogger:
         return MlflowClient(self.tracking_uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in params.items()]
+        items = [Param(redact(k), redact(str(v))[:MAX_PARAM_LENGTH]) for k, v in params.items()]
         for start in range(0, len(items), BATCH):
             self.client.log_batch(self.run_id, params=items[start : start + BATCH])
 
@@ -88,13 +89,13 @@ class RunLogger:
             self.client.log_batch(self.run_id, metrics=items[start : start + BATCH])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, redact(str(v))) for k, v in tags.items()])
 
     def log_dict(self, data: dict | list, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, data, artifact_file)
+        self.client.log_dict(self.run_id, redact_obj(data), artifact_file)
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, redact(text), artifact_file)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         path = Path(path)
@@ -129,6 +130,11 @@ def start_parent_run(
     parent.log_text(masked_yaml(cfg), "config/experiment.yaml")
     parent.set_tags({"eagleops.config_file": str(config_path)})
     return parent
+
+
+def mark_run(tracking_uri: str, run_id: str, status: str) -> None:
+    """Set a run's terminal status (e.g. KILLED for an attempt whose process died)."""
+    RunLogger(tracking_uri, run_id).finish(status)
 
 
 def reopen_run(tracking_uri: str, run_id: str) -> RunLogger:

@@ -20,6 +20,7 @@ from eagle3.tiny_target import cpu_threads
 from eagle3.train import train_draft as run_training
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
+from tasks.rundir import digest_json, digest_paths
 
 
 def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
@@ -70,4 +71,5 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         **summary,
         "metrics": {k: v for k, v in metrics.items() if v is not None},
         "outputs": {"checkpoint": summary["checkpoint"], "target_dir": str(target_dir), "train_dir": str(ctx.stage_dir / "draft")},
+        "output_digest": digest_json([digest_paths([summary["checkpoint"]]), str(target_dir.resolve())]),
     }

@@ -1,0 +1,138 @@
+"""Process plumbing for `eagleops run`: a temporary Prefect API the terminal cannot kill, and signals.
+
+Without PREFECT_API_URL, Prefect starts a temporary API server as a child in the caller's
+process group, so a terminal's Ctrl-C (SIGINT to the whole group) killed the API mid-run: the
+flow then spent minutes retrying "Error logging to API" with hundreds of traceback lines, and a
+SIGTERM'd run left that server orphaned under PID 1. Here the server runs in its own session
+(the terminal's signals never reach it), dies with its parent (PR_SET_PDEATHSIG, even on
+kill -9), and is stopped in a `finally`. SIGTERM is turned into an exception like Ctrl-C's, so
+both unwind through the pipeline, which records the interrupted stage before the process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+STARTUP_TIMEOUT_S = 120.0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt (same unwinding)."""
+
+    signal_name = "SIGTERM"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies (Linux), whatever killed it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the finally below still stops the server on a clean exit
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_command(port: int) -> list[str]:
+    """The API-only server Prefect itself starts for ephemeral runs (prefect.server.api.server)."""
+    import prefect
+
+    return [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+            "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "error", "--lifespan", "on"]
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = Path(log_path).read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the temporary Prefect server exited with {proc.returncode} before it was "
+                                   f"ready:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"the temporary Prefect server at {url} was not ready within {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[str]:
+    """The Prefect API to run against: PREFECT_API_URL if set, else a temporary server for this run."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    configured = PREFECT_API_URL.value()
+    if configured:
+        yield configured
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    server_log = tempfile.NamedTemporaryFile(prefix="eagleops-prefect-", suffix=".log", delete=False)
+    proc = subprocess.Popen(_server_command(port), env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                            stdout=server_log, stderr=subprocess.STDOUT)
+    try:
+        _wait_healthy(proc, url, STARTUP_TIMEOUT_S, server_log.name)
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                _drain_prefect_workers()
+    finally:
+        _stop(proc)
+        server_log.close()
+        os.unlink(server_log.name)
+
+
+def _drain_prefect_workers(timeout: float = 10.0) -> None:
+    """Send the logs and events still queued while the server is up: drained at exit instead,
+    they met a stopped server and retried for minutes ("Error logging to API")."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def signals_as_exceptions() -> Iterator[None]:
+    """SIGTERM raises `Terminated` (a KeyboardInterrupt) for the duration; SIGINT already raises."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
