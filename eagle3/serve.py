@@ -10,7 +10,11 @@ Serving design: one worker thread owns the model. Requests wait in a FIFO queue;
 `max_running_requests` are admitted (prefill) and then decoded round-robin, one target forward
 per running request per decode iteration, so streams progress together and `#running-req`
 means what it means in SGLang. Extra requests queue, never get rejected. Each request keeps its
-own KV caches (batch size 1 per forward).
+own KV caches (batch size 1 per forward). One HTTP call's requests (a batch of prompts, times
+`sampling_params.n`, SGLang's parallel sampling, ordered [p0, p1, p0, p1]) enter the queue
+together; streamed, their chunks share one SSE stream and carry "index", as in SGLang. A
+prompt of >= context-length tokens, or prompt + max_new_tokens > context length, is refused
+(SGLang's check when --allow-auto-truncate is off; this server has no truncation).
 
 Errors, per endpoint as SGLang answers them (`srt/entrypoints/http_server.py`,
 `openai/serving_base.py`, `managers/tokenizer_manager.py`):
@@ -32,8 +36,10 @@ Errors, per endpoint as SGLang answers them (`srt/entrypoints/http_server.py`,
 - Streaming: once the 200 and the SSE headers are sent, an error is one `data: {"error": ...}`
   chunk (`/generate`: `{"message"}`; `/v1/*`: the flat ErrorResponse), then `data: [DONE]`.
 Deliberate deviations: a body with both `text` and `input_ids` is refused (SGLang silently
-uses `input_ids`), and a lone UTF-16 surrogate in any string is a 400 naming the field (SGLang's
-tokenizer raises a TypeError there, i.e. a 500).
+uses `input_ids`); a lone UTF-16 surrogate in any string is a 400 naming the field (SGLang's
+tokenizer raises a TypeError there, i.e. a 500); a streaming request is checked before the
+stream opens, so a bad one gets the 400 JSON body (SGLang opens the 200 stream first and sends
+the refusal as its error chunk).
 
 Risk: drift from SGLang's shapes. Names and formats follow `srt/entrypoints/http_server.py`,
 `srt/managers/scheduler_components/metrics_reporter.py` and `srt/observability/
@@ -291,7 +297,7 @@ class Scheduler(threading.Thread):
         self._waiting: collections.deque[ServeRequest] = collections.deque()
         self._running: list[ServeRequest] = []
         self._cv = threading.Condition()
-        self._stop = False
+        self._stop_requested = False  # not `_stop`: that name is threading.Thread's own method (join calls it)
 
     # ---- called from the asyncio side
 
@@ -316,7 +322,7 @@ class Scheduler(threading.Thread):
 
     def stop(self) -> None:
         with self._cv:
-            self._stop = True
+            self._stop_requested = True
             self._cv.notify()
 
     # ---- worker thread
@@ -334,9 +340,9 @@ class Scheduler(threading.Thread):
         logger.info(READY_MESSAGE)
         while True:
             with self._cv:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop_requested and not self._waiting and not self._running:
                     self._cv.wait(timeout=1.0)
-                if self._stop:
+                if self._stop_requested:
                     return
             self._admit()
             if self._running:
