@@ -493,8 +493,8 @@ class ServerFigures:
     """What the server says about the timed runs.
 
     avg_spec_accept_length: /server_info internal_states[0] after the runs (lifetime since the
-    flush; it advances only at decode-log ticks, so it lags by up to one log interval and is
-    None before the first tick). metrics_delta: counter / histogram-count / -sum increase over
+    flush; it advances only at decode-log ticks, so it lags by up to one log interval, is None
+    before the first tick, and a tick can land just after the last response was sent). metrics_delta: counter / histogram-count / -sum increase over
     the timed runs (only with --enable-metrics).
     """
 

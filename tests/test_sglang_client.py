@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -275,6 +276,17 @@ def test_server_endpoints(client, ref_server):
         client.generate([10 ** 6], GREEDY, stream=False)
 
 
+def settled_avg_accept_length(client: SGLangClient, expected: float, polls: int = 50) -> float | None:
+    """/server_info avg_spec_accept_length, re-read (bounded) until it equals `expected`; the last value seen."""
+    value = None
+    for _ in range(polls):
+        value = client.server_info()["internal_states"][0].get("avg_spec_accept_length")
+        if value is not None and value == pytest.approx(expected, rel=1e-9):
+            break
+        time.sleep(0.1)
+    return value
+
+
 def test_run_benchmark_counts_requests_and_honours_concurrency(client, ref_server):
     prompts = render_prompts(builtin_prompts(4, seed=7), ref_server.target_dir)
     metrics_before = client.metrics()
@@ -298,9 +310,13 @@ def test_run_benchmark_counts_requests_and_honours_concurrency(client, ref_serve
     srv = result.server
     assert srv.flushed
     assert srv.metrics_delta["sglang:e2e_request_latency_seconds_count"] == 2 * 4
-    # decode-log interval 1: the server's lifetime average is current and covers exactly the timed runs
-    assert srv.avg_spec_accept_length == pytest.approx(result.decode_accept_length, rel=1e-9)
     assert srv.metrics_accept_length == pytest.approx(result.accept_length, rel=1e-9)
+    # the server closes a decode-log window after sending that iteration's tokens, so the
+    # /server_info read right after the last response may miss the last window (within tolerance);
+    # once it has closed (decode-log interval 1) the lifetime average covers exactly the timed runs
+    assert srv.avg_spec_accept_length == pytest.approx(result.decode_accept_length, rel=0.05)
+    assert settled_avg_accept_length(client, result.decode_accept_length) == \
+        pytest.approx(result.decode_accept_length, rel=1e-9)
     assert result.accept_length == pytest.approx(
         sum(r.completion_tokens for run in result.runs for r in run.requests)
         / sum(r.spec_verify_ct for run in result.runs for r in run.requests))
@@ -343,9 +359,10 @@ def test_run_benchmark_rejects_bad_arguments(client):
 
 def test_decode_regex_on_the_reference_servers_log(ref_server, client):
     client.generate([3, 4, 5], GREEDY)
-    lines = [ln for ln in ref_server.log.read_text().splitlines() if "Decode batch" in ln]
+    text = ref_server.log.read_text()  # once: the server may still be writing its last decode line
+    lines = [ln for ln in text.splitlines() if "Decode batch" in ln]
     assert lines and all(parse_decode_line(ln) is not None for ln in lines)
-    summary = summarize_decode_log(ref_server.log.read_text())
+    summary = summarize_decode_log(text)
     assert summary["lines"] == len(lines) and summary["accept_len_last"] >= 1.0
     assert summary["gen_throughput_last"] > 0
 
