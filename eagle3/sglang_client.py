@@ -494,8 +494,9 @@ class ServerFigures:
 
     avg_spec_accept_length: /server_info internal_states[0] after the runs (lifetime since the
     flush; it advances only at decode-log ticks, so it lags by up to one log interval, is None
-    before the first tick, and a tick can land just after the last response was sent). metrics_delta: counter / histogram-count / -sum increase over
-    the timed runs (only with --enable-metrics).
+    before the first tick, and a tick can land just after the last response was sent).
+    metrics_delta: counter / histogram-count / -sum increase over the timed runs (only with
+    --enable-metrics).
     """
 
     flushed: bool
@@ -582,6 +583,13 @@ def _check_prompts(prompts: Sequence[PromptInput], endpoint: str) -> None:
                              f"(render chats with render_prompts), got {str(p)[:80]}")
 
 
+def _check_counts(**named: tuple[int, int]) -> None:
+    """name=(value, lowest allowed) -> ValueError naming the first bad argument."""
+    for name, (value, low) in named.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
 def _request_fn(client: SGLangClient, endpoint: str, max_new_tokens: int, temperature: float,
                 ignore_eos: bool) -> Callable[[PromptInput], RequestResult]:
     if endpoint == "generate":
@@ -651,10 +659,8 @@ def run_benchmark(
     failed request raises SGLangError naming the run and prompt.
     """
     _check_prompts(prompts, endpoint)
-    for name, value, low in (("warmup_runs", warmup_runs, 0), ("timed_runs", timed_runs, 1),
-                             ("concurrency", concurrency, 1), ("max_new_tokens", max_new_tokens, 1)):
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    _check_counts(warmup_runs=(warmup_runs, 0), timed_runs=(timed_runs, 1), concurrency=(concurrency, 1),
+                  max_new_tokens=(max_new_tokens, 1))
     send = _request_fn(client, endpoint, max_new_tokens, temperature, ignore_eos)
     warmup = [_one_run(i, True, prompts, send, concurrency) for i in range(warmup_runs)]
     flushed = _flush_when_idle(client) if flush_cache else False
@@ -838,13 +844,16 @@ def render_prompts(conversations: Sequence[Sequence[Message]], tokenizer_dir: st
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if not tokenizer.chat_template:
         raise ValueError(f"{tokenizer_dir}: the tokenizer has no chat template")
-    return [tokenizer(render_chat(tokenizer, list(c), add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-            for c in conversations]
+    texts = [render_chat(tokenizer, list(c), add_generation_prompt=True) for c in conversations]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
-def _user_turns(prompt: str | Sequence[Message]) -> list[str]:
+def _user_turns(prompt: str | Sequence[Message], where: str) -> list[str]:
     if isinstance(prompt, str):
         return [prompt.strip()]
+    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
+        raise ValueError(f"{where}: expected a str or chat messages (check before render_prompts), "
+                         f"got {str(prompt)[:80]}")
     return [m["content"].strip() for m in prompt if m.get("role") == "user"]
 
 
@@ -863,7 +872,7 @@ def heldout_overlap(prompts: Sequence[str | Sequence[Message]], samples_jsonl: s
             try:
                 sample = json.loads(line)
                 if split is None or sample["split"] == split:
-                    seen.update(_user_turns(sample["messages"]))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                    seen.update(_user_turns(sample["messages"], f"{path}:{lineno}"))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a sample with 'messages' ({type(e).__name__}: {e})") from e
-    return [i for i, p in enumerate(prompts) if any(turn in seen for turn in _user_turns(p))]
+    return [i for i, p in enumerate(prompts) if any(turn in seen for turn in _user_turns(p, f"prompts[{i}]"))]

@@ -200,12 +200,15 @@ def test_heldout_overlap_finds_trained_prompts(tmp_path):
     assert len(prompts) == 4 and all(p[-1]["role"] == "user" for p in prompts)
     samples = tmp_path / "samples.jsonl"
     rows = [{"id": 0, "split": "train", "messages": [*prompts[2], {"role": "assistant", "content": "x"}]},
-            {"id": 1, "split": "validation", "messages": [{"role": "user", "content": "  " + prompts[0][0]["content"]}]},
+            {"id": 1, "split": "validation",
+             "messages": [{"role": "user", "content": "  " + prompts[0][0]["content"]}]},
             {"id": 2, "split": "train", "messages": [{"role": "user", "content": "unrelated"}]}]
     samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert heldout_overlap(prompts, samples) == [0, 2]
     assert heldout_overlap(prompts, samples, split="train") == [2]
     assert heldout_overlap(["unrelated", "other"], samples) == [0]
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected a str or chat messages"):
+        heldout_overlap([[1, 2, 3]], samples)
     samples.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"id": 9}) + "\n")
     with pytest.raises(ValueError, match=r"samples.jsonl:2: not a sample"):
         heldout_overlap(prompts, samples)
