@@ -1,0 +1,189 @@
+"""What a user does to a running `eagleops run`: Ctrl-C (SIGINT to the process group, as a
+terminal sends it), `kill PID` (SIGTERM to the process alone, as a scheduler does) and kill -9.
+
+Each run is a real CLI subprocess with its own temporary Prefect server. Checked: exit code and
+the one-line message (no traceback), the stage recorded as interrupted in the manifest and
+KILLED in MLflow, no server left behind (ps), and the run resumable from where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+CONFIG = """\
+experiment: interrupts
+runs_root: {runs}
+target:
+  kind: tiny
+  dtype: float32
+  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
+          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
+          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
+data:
+  num_samples: 24
+  max_length: 128
+  regenerate: {{max_new_tokens: 16}}
+  draft_vocab_size: 64
+train:
+  ttt_steps: 2
+  max_steps: {max_steps}
+  epochs: 10000
+  batch_size: 4
+  checkpoint_every: 10
+  log_every: 10
+export:
+  formats: [sglang]
+  dtype: float32
+"""
+SERVER_MARK = "prefect.server.api.server:create_app"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("interrupts")
+
+
+def write_config(workdir: Path, max_steps: int) -> Path:
+    path = workdir / f"interrupts-{max_steps}.yaml"
+    path.write_text(CONFIG.format(runs=workdir / "runs", max_steps=max_steps))
+    return path
+
+
+def prefect_servers() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if SERVER_MARK in " ".join(proc.info["cmdline"] or []):
+            found.add(proc.info["pid"])
+    return found
+
+
+def start_cli(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """`eagleops ...` in its own process group with SIGINT at its default (a terminal's job)."""
+    env = {**os.environ, **(env or {})}
+    env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run has
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, log.read_text(errors="replace")):
+            return
+        assert proc.poll() is None, f"exited {proc.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no {pattern!r} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def run_dir_of(workdir: Path) -> Path:
+    return max((workdir / "runs" / "interrupts").iterdir(), key=lambda p: p.stat().st_mtime)
+
+
+def mlflow_status(workdir: Path, run_id: str) -> str:
+    return MlflowClient(f"sqlite:///{workdir / 'runs' / 'mlflow.db'}").get_run(run_id).info.status
+
+
+def assert_no_new_server(before: set[int], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := prefect_servers() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"temporary Prefect server(s) left running: {left}"
+
+
+def resume(config: Path, run_dir: Path, workdir: Path, tag: str) -> tuple[int, str]:
+    log = workdir / f"resume-{tag}.log"
+    proc = start_cli(["run", str(config), "--run-dir", str(run_dir)], log)
+    return proc.wait(timeout=600), log.read_text()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
+    config = write_config(workdir, max_steps=120)
+    log = workdir / "sigint.log"
+    before = prefect_servers()
+    proc = start_cli(["run", str(config)], log)
+    wait_for_line(log, r"step 20/120", proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    output = log.read_text()
+    assert "Traceback" not in output and "Error logging to API" not in output
+    run_dir = run_dir_of(workdir)
+    assert output.rstrip().splitlines()[-1] == (
+        f"interrupted (Ctrl-C) during train_draft; resume with: eagleops run {config} --run-dir {run_dir}")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    train = manifest["stages"]["train_draft"]
+    assert train["status"] == "interrupted" and manifest["status"] == "killed"
+    assert mlflow_status(workdir, train["mlflow_run_id"]) == "KILLED"
+    assert mlflow_status(workdir, manifest["mlflow"]["parent_run_id"]) == "KILLED"
+    assert_no_new_server(before)
+
+    code, output = resume(config, run_dir, workdir, "sigint")
+    assert code == 0, output[-3000:]
+    assert "generate_data: completed earlier with the same inputs" in output
+    assert "train_draft: resuming attempt 1" in output
+    assert re.search(r"resumed from .*step_\d+ at step [1-9]\d*", output)
+    final = json.loads((run_dir / "manifest.json").read_text())["stages"]["train_draft"]
+    assert final["status"] == "completed" and len(final["attempts"]) == 1 and final["summary"]["steps"] == 120
+    assert_no_new_server(before)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_alone_is_handled_like_ctrl_c(workdir):
+    config = write_config(workdir, max_steps=100000)
+    log = workdir / "sigterm.log"
+    before = prefect_servers()
+    proc = start_cli(["run", str(config)], log)
+    wait_for_line(log, r"step 10/\d+", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    output = log.read_text()
+    assert "Traceback" not in output
+    assert output.rstrip().splitlines()[-1].startswith("interrupted (SIGTERM) during train_draft; resume with:")
+    train = json.loads((run_dir_of(workdir) / "manifest.json").read_text())["stages"]["train_draft"]
+    assert train["status"] == "interrupted"
+    assert mlflow_status(workdir, train["mlflow_run_id"]) == "KILLED"
+    assert_no_new_server(before)
+
+
+@pytest.mark.slow
+def test_kill_9_leaves_no_server_and_the_next_run_marks_the_attempt_killed(workdir):
+    config = write_config(workdir, max_steps=100000)
+    log = workdir / "sigkill.log"
+    before = prefect_servers()
+    proc = start_cli(["run", str(config)], log)
+    wait_for_line(log, r"step 10/\d+", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert_no_new_server(before)  # the server dies with its parent (PR_SET_PDEATHSIG)
+    run_dir = run_dir_of(workdir)
+    stale = json.loads((run_dir / "manifest.json").read_text())["stages"]["train_draft"]
+    assert stale["status"] == "running"  # nobody could record anything
+    assert mlflow_status(workdir, stale["mlflow_run_id"]) == "RUNNING"
+
+    # The next run on the folder (here it only re-checks the machine) closes the dead attempt.
+    code, output = resume_env_only(config, run_dir, workdir)
+    assert code == 0, output[-3000:]
+    assert "train_draft: attempt 1 was interrupted (its process died)" in output
+    closed = json.loads((run_dir / "manifest.json").read_text())["stages"]["train_draft"]
+    assert closed["status"] == "interrupted" and closed["error"] == "the process running it died"
+    assert mlflow_status(workdir, stale["mlflow_run_id"]) == "KILLED"
+    assert_no_new_server(before)
+
+
+def resume_env_only(config: Path, run_dir: Path, workdir: Path) -> tuple[int, str]:
+    log = workdir / "resume-env.log"
+    proc = start_cli(["run", str(config), "--run-dir", str(run_dir), "--stages", "check_environment"], log)
+    return proc.wait(timeout=300), log.read_text()
