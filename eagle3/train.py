@@ -81,8 +81,8 @@ class Eagle3TTTModule(nn.Module):
             input_ids [B, T]; aux_hidden_states [B, T, k*H_t]; loss_mask bool [B, T];
             target_p fp32 [B, T, Vd], target_ids [B, T], in_vocab bool [B, T] from
             `compute_teacher` at the SAME positions as input_ids (unshifted).
-            loss_norm: fp32 [ttt_steps], the divisor of step k's CE sum; None = this batch's own
-                counted positions (a per-batch mean). The trainer passes the count over its whole
+            loss_norm: fp32 [ttt_steps] > 0, the divisor of step k's CE sum; None = this batch's
+                own counted positions (a per-batch mean). The trainer passes the count over its whole
                 optimizer step on all ranks (see `Trainer._optimizer_step`).
         Returns:
             loss = sum_k decay^k * CE sum of step k / loss_norm[k] (scalar), and
@@ -113,8 +113,8 @@ class Eagle3TTTModule(nn.Module):
             masked.append(loss_mask[:, s:].sum())
         counts_t = torch.stack(counts).float()
         decay = self.step_decay ** torch.arange(steps, device=input_ids.device, dtype=torch.float32)
-        divisor = counts_t if loss_norm is None else loss_norm[:steps].to(counts_t)
-        scales = (decay / divisor.clamp(min=1)).repeat_interleave(b)  # per (step, sequence) block
+        divisor = counts_t.clamp(min=1) if loss_norm is None else loss_norm[:steps].to(counts_t)
+        scales = (decay / divisor).repeat_interleave(b)  # per (step, sequence) block
         loss, ce, correct = soft_cross_entropy_steps(normed_rows, draft.lm_head.weight, targets, scales,
                                                      self.loss_chunk)
         rows_per_step = [(t - k - 1) * b for k in range(steps)]
@@ -488,7 +488,8 @@ class Trainer:
         tokens by 1/its own count: 2 ranks != 1 process when the counts differ.
         """
         counts = sum(counted_positions(m["loss_mask"], m["in_vocab"], self.cfg.ttt_steps) for m in micro_batches)
-        return _all_reduce_sum(counts, self.info) / self.info.world_size
+        # a step that counts nothing anywhere has CE sums of 0: any divisor > 0 keeps it at 0
+        return _all_reduce_sum(counts, self.info).clamp(min=1) / self.info.world_size
 
     def _optimizer_step(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, float, int]:
         """grad_accum micro-batches, clip, AdamW, scheduler; returns (stats [4,K], grad norm, tokens).
