@@ -149,6 +149,11 @@ class RegenerationLog:
     File lines are {"i": prompt index, "response": str[, "ids": [int]]}; the file name carries
     the run's fingerprint, so answers from other settings or another target are never mixed in.
     `ids` are the target's own generated token ids (local backend): see `tokenize_generated`.
+
+    A kill can cut the last record mid-line (no newline yet: json.dumps escapes newlines, so a
+    record's only raw newline is its terminator). That tail is cut off the file on open, so its
+    prompt is answered again and the new record starts on a line of its own; appending after the
+    cut bytes would glue the two into one unreadable line and hide every later record.
     """
 
     def __init__(self, path: Path) -> None:
@@ -156,16 +161,31 @@ class RegenerationLog:
         self.done: dict[int, str] = {}
         self.token_ids: dict[int, list[int]] = {}
         if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a kill; everything before it is valid
-                self.done[int(entry["i"])] = entry["response"]
-                if entry.get("ids") is not None:
-                    self.token_ids[int(entry["i"])] = entry["ids"]
+            complete_bytes = self._read_records(path)
+            if complete_bytes < path.stat().st_size:
+                os.truncate(path, complete_bytes)
         self._lock = threading.Lock()
         self._fh = path.open("a", encoding="utf-8")
+
+    def _read_records(self, path: Path) -> int:
+        """Load every newline-terminated record; returns their total length in bytes."""
+        complete = 0
+        for lineno, line in enumerate(path.read_bytes().splitlines(keepends=True), start=1):
+            if not line.endswith(b"\n"):
+                break  # the last record, cut by a kill before its newline
+            try:
+                entry = json.loads(line)
+                index, response = int(entry["i"]), entry["response"]
+            except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise ValueError(
+                    f"{path}:{lineno}: corrupt regeneration record ({exc}); a kill only cuts the last line, "
+                    "so this file was changed by something else: delete it to answer every prompt again"
+                ) from exc
+            self.done[index] = response
+            if entry.get("ids") is not None:
+                self.token_ids[index] = entry["ids"]
+            complete += len(line)
+        return complete
 
     def add(self, index: int, response: str, ids: list[int] | None = None) -> None:
         with self._lock:

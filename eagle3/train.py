@@ -73,6 +73,7 @@ class Eagle3TTTModule(nn.Module):
         target_p: Tensor,
         target_ids: Tensor,
         in_vocab: Tensor,
+        loss_norm: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Weighted TTT loss and per-step statistics.
 
@@ -80,8 +81,11 @@ class Eagle3TTTModule(nn.Module):
             input_ids [B, T]; aux_hidden_states [B, T, k*H_t]; loss_mask bool [B, T];
             target_p fp32 [B, T, Vd], target_ids [B, T], in_vocab bool [B, T] from
             `compute_teacher` at the SAME positions as input_ids (unshifted).
+            loss_norm: fp32 [ttt_steps] > 0, the divisor of step k's CE sum; None = this batch's
+                own counted positions (a per-batch mean). The trainer passes the count over its whole
+                optimizer step on all ranks (see `Trainer._optimizer_step`).
         Returns:
-            loss = sum_k decay^k * mean CE over counted positions of step k (scalar), and
+            loss = sum_k decay^k * CE sum of step k / loss_norm[k] (scalar), and
             stats fp32 [4, ttt_steps]: CE sum, counted positions, correct, loss-masked positions.
         """
         draft = self.draft
@@ -109,7 +113,8 @@ class Eagle3TTTModule(nn.Module):
             masked.append(loss_mask[:, s:].sum())
         counts_t = torch.stack(counts).float()
         decay = self.step_decay ** torch.arange(steps, device=input_ids.device, dtype=torch.float32)
-        scales = (decay / counts_t.clamp(min=1)).repeat_interleave(b)  # per (step, sequence) block
+        divisor = counts_t.clamp(min=1) if loss_norm is None else loss_norm[:steps].to(counts_t)
+        scales = (decay / divisor).repeat_interleave(b)  # per (step, sequence) block
         loss, ce, correct = soft_cross_entropy_steps(normed_rows, draft.lm_head.weight, targets, scales,
                                                      self.loss_chunk)
         rows_per_step = [(t - k - 1) * b for k in range(steps)]
@@ -118,6 +123,19 @@ class Eagle3TTTModule(nn.Module):
         if stats.shape[1] < self.ttt_steps:  # sequences shorter than the unroll: later steps count nothing
             stats = F.pad(stats, (0, self.ttt_steps - stats.shape[1]))
         return loss, stats
+
+
+def counted_positions(loss_mask: Tensor, in_vocab: Tensor, ttt_steps: int) -> Tensor:
+    """Positions each TTT step counts in the loss, as `Eagle3TTTModule.forward` counts them.
+
+    Step k (s = k + 1) learns the teacher at t + s for query t, so it counts loss_mask & in_vocab
+    over positions s..T-1. loss_mask, in_vocab: bool [B, T]. Returns fp32 [ttt_steps].
+    """
+    counted = loss_mask & in_vocab  # [B, T]
+    t = counted.shape[1]
+    rows = [counted[:, k + 1 :].sum() if k + 1 < t else counted.new_zeros((), dtype=torch.long)
+            for k in range(ttt_steps)]
+    return torch.stack(rows).float()
 
 
 def metrics_from_stats(stats: Tensor, step_decay: float, prefix: str) -> dict[str, float]:
@@ -481,18 +499,39 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
+    def _step_loss_norm(self, micro_batches: list[dict[str, Tensor]]) -> Tensor:
+        """Per-TTT-step divisor [K] that makes the step's gradient the mean over ALL its counted
+        positions: every micro-batch on every rank, whatever each one's own count.
+
+        DDP and FSDP average gradients over ranks (a 1/W factor), so each rank divides its CE
+        sums by (global count / W); summed over micro-batches and averaged over ranks this gives
+        sum_k decay^k * (all CE of step k) / (all counted positions of step k), the loss of one
+        process running the whole global batch. Per-rank means would instead weight a rank's
+        tokens by 1/its own count: 2 ranks != 1 process when the counts differ.
+        """
+        counts = sum(counted_positions(m["loss_mask"], m["in_vocab"], self.cfg.ttt_steps) for m in micro_batches)
+        # a step that counts nothing anywhere has CE sums of 0: any divisor > 0 keeps it at 0
+        return _all_reduce_sum(counts, self.info).clamp(min=1) / self.info.world_size
+
     def _optimizer_step(self, batches: Iterator[dict[str, Tensor]]) -> tuple[Tensor, float, int]:
-        """grad_accum micro-batches, clip, AdamW, scheduler; returns (stats [4,K], grad norm, tokens)."""
+        """grad_accum micro-batches, clip, AdamW, scheduler; returns (stats [4,K], grad norm, tokens).
+
+        All micro-batches of the step are prepared (teacher included) before the first
+        backward: the loss divisor needs their counted positions. Memory: grad_accum teachers
+        ([B, T, Vd] fp32 each) are held at once instead of one.
+        """
         self.model.train()
         stats, tokens = torch.zeros(_STAT_ROWS, self.cfg.ttt_steps, device=self.device), 0
-        for i in range(self.cfg.grad_accum):
-            inputs, n_tok = self._prepare(next(batches))
+        prepared = [self._prepare(next(batches)) for _ in range(self.cfg.grad_accum)]
+        loss_norm = self._step_loss_norm([inputs for inputs, _ in prepared])
+        for i, (inputs, n_tok) in enumerate(prepared):
             last = i == self.cfg.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    loss, batch_stats = self.model(**inputs)
-                (loss / self.cfg.grad_accum).backward()
+                    loss, batch_stats = self.model(**inputs, loss_norm=loss_norm)
+                loss.backward()
+            prepared[i] = None  # free this micro-batch's teacher before the next forward
             stats += batch_stats
             tokens += n_tok
         grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip)

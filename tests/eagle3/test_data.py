@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,12 +25,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 import eagle3.data as data_mod
+import eagle3.tiny_target as tiny_target_mod
 from eagle3.capture import capture_hidden_states
 from eagle3.chat import assistant_char_spans, tokenize_chat
 from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
 from eagle3.data import (
     HiddenStateDataset,
     InsufficientDiskSpaceError,
+    RegenerationLog,
     TargetFeatureExtractor,
     TokenizedDataset,
     builtin_conversations,
@@ -259,40 +267,159 @@ def test_hidden_state_dataset_matches_a_fresh_capture(offline_run, tiny_target_d
     assert batch["aux_hidden_states"].shape[:2] == batch["attention_mask"].shape == batch["input_ids"].shape
 
 
-def test_resume_after_kill_and_corruption(tiny_target_dir, tmp_path, monkeypatch):
-    cfg, quiet = _data_cfg(num_samples=8, validation_fraction=0.25), (lambda m: None)
-    real_capture, calls = data_mod.capture_shard, []
+def test_regeneration_log_cut_mid_line_is_dropped_and_rewritten(tmp_path):
+    path = tmp_path / "regenerated.jsonl"
+    log = RegenerationLog(path)
+    for i in range(3):
+        log.add(i, f"answer {i}\nsecond line", [i, i + 1])
+    log.close()
+    full = path.read_bytes()
+    path.write_bytes(full[:-7])  # killed while writing record 2
+    log = RegenerationLog(path)
+    assert log.done == {0: "answer 0\nsecond line", 1: "answer 1\nsecond line"}
+    assert log.token_ids == {0: [0, 1], 1: [1, 2]}
+    assert path.read_bytes() == full[: full.index(b'{"i": 2')]  # the partial record is cut off
+    log.add(2, "answer 2 again", [7])
+    log.add(3, "answer 3")
+    log.close()
+    again = RegenerationLog(path)
+    again.close()
+    assert again.done == {0: "answer 0\nsecond line", 1: "answer 1\nsecond line", 2: "answer 2 again",
+                          3: "answer 3"}
+    assert again.token_ids == {0: [0, 1], 1: [1, 2], 2: [7]}
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == [0, 1, 2, 3]
+    # a damaged complete line is not a kill: refused, naming file and line
+    path.write_text(lines[0] + "\n" + lines[1][:-1] + "\n" + lines[2] + "\n")
+    with pytest.raises(ValueError, match=r"regenerated\.jsonl:2: corrupt regeneration record"):
+        RegenerationLog(path)
 
-    def dying_capture(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed mid-shard")
-        return real_capture(*args, **kwargs)
 
-    monkeypatch.setattr(data_mod, "capture_shard", dying_capture)
-    with pytest.raises(KeyboardInterrupt):
-        generate_dataset(tiny_target_dir, TargetConfig(), cfg, tmp_path, log=quiet)
-    hs = tmp_path / "hidden_states"
-    visible = sorted(p.name for p in hs.iterdir() if not p.name.startswith("."))
-    assert visible == ["manifest.json", "train-00000.safetensors"]
+DATA_WORKER = textwrap.dedent(
+    """
+    import json, sys, threading
+    from pathlib import Path
+    import torch
+    import eagle3.tiny_target
+    from eagle3.config import DataConfig, TargetConfig
+    from eagle3.data import generate_dataset
+
+    # one thread in every run: the killed, resumed and uninterrupted runs must compute alike
+    eagle3.tiny_target._thread_count = lambda requested=0, own_threads=0: 1
+    torch.set_num_threads(1)
+    target, out, pause_stage, pause_at, cfg_json = sys.argv[1:6]
+
+    def emit(*event):
+        print(json.dumps(event), flush=True)
+
+    def on_progress(stage, done, total):
+        emit("progress", stage, done, total)
+        if stage == pause_stage and done >= int(pause_at):
+            emit("paused", stage, done, total)
+            threading.Event().wait()  # until the test's SIGKILL
+
+    summary = generate_dataset(Path(target), TargetConfig(), DataConfig.model_validate_json(cfg_json), Path(out),
+                               on_progress=on_progress, log=lambda m: emit("log", m))
+    emit("summary", summary)
+    """
+)
+
+
+def _run_data_worker(script: Path, target: Path, out: Path, cfg: DataConfig, pause: tuple[str, int] | None):
+    """Run DATA_WORKER; with `pause`, SIGKILL it once it reports that point (its output is on disk
+    by then). Returns the events it printed."""
+    stage, at = pause or ("never", 0)
+    cmd = [sys.executable, str(script), str(target), str(out), stage, str(at), cfg.model_dump_json()]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    with open(out.parent / f"{out.name}-stderr.txt", "a") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+    watchdog = threading.Timer(300, proc.kill)  # a hung child fails the test instead of hanging it
+    watchdog.start()
+    events = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("["):
+                events.append(json.loads(line))
+            if events and events[-1][0] == "paused":
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+    expected_rc = -signal.SIGKILL if pause else 0
+    assert proc.returncode == expected_rc, (out.parent / f"{out.name}-stderr.txt").read_text()[-3000:]
+    return events
+
+
+def _logs(events) -> list[str]:
+    return [e[1] for e in events if e[0] == "log"]
+
+
+def test_sigkilled_data_stage_resumes_to_the_uninterrupted_dataset(tiny_target_dir, tmp_path, monkeypatch):
+    """A real SIGKILL in regeneration, a regeneration log cut mid-line, a SIGKILL after the first
+    shard; the resumed dataset equals an uninterrupted run's and finished work is not redone."""
+    cfg = _data_cfg(num_samples=8, validation_fraction=0.25, shard_size=2, capture_batch_size=2,
+                    hidden_states_dtype="float32", regenerate=RegenerateConfig(max_new_tokens=12, batch_size=1))
+    script = tmp_path / "data_worker.py"
+    script.write_text(DATA_WORKER)
+    out = tmp_path / "killed"
+
+    # 1. killed in regeneration, after some answers were recorded
+    _run_data_worker(script, tiny_target_dir, out, cfg, pause=("regenerate", 4))
+    (log_path,) = out.glob(".regenerated-*.jsonl")
+    records = log_path.read_bytes()
+    complete = records.count(b"\n")
+    assert complete >= 4 and not (out / "samples.jsonl").exists()
+    log_path.write_bytes(records[:-9])  # as if the kill had landed in the middle of the last record
+    kept = records[: records.rindex(b"\n", 0, len(records) - 1) + 1]  # the complete records before it
+
+    # 2. resume; stop at tokenization, while the regeneration log is still on disk
+    events = _run_data_worker(script, tiny_target_dir, out, cfg, pause=("tokenize", 0))
+    assert f"regenerate: resuming, {complete - 1}/8 answers already done" in _logs(events)
+    resumed_log = log_path.read_bytes()
+    assert resumed_log.startswith(kept)  # earlier answers neither redone nor rewritten
+    indices = [json.loads(line)["i"] for line in resumed_log.splitlines()]
+    assert sorted(indices) == list(range(8))  # each prompt once; the cut record was answered again
+
+    # 3. resume; killed right after the first shard
+    _run_data_worker(script, tiny_target_dir, out, cfg, pause=("hidden_states", 1))
+    hs = out / "hidden_states"
+    assert sorted(p.name for p in hs.iterdir() if not p.name.startswith(".")) == \
+        ["manifest.json", "train-00000.safetensors"]
     assert not json.loads((hs / "manifest.json").read_text())["complete"]
     with pytest.raises(ValueError, match="incomplete"):
         HiddenStateDataset(hs)
-    monkeypatch.setattr(data_mod, "capture_shard", real_capture)
-    logs = []
-    resumed = generate_dataset(tiny_target_dir, TargetConfig(), cfg, tmp_path, log=logs.append)
-    assert any("reusing" in m for m in logs)  # samples.jsonl reused, no regeneration
-    assert resumed["shards_reused"] == 1
-    # corrupt one byte of a finished shard: it is detected by sha256 and rewritten, others reused
+    kept_mtimes = {p: p.stat().st_mtime_ns for p in (out / "samples.jsonl", hs / "train-00000.safetensors")}
+
+    # 4. resume to the end; then an uninterrupted run for comparison
+    events = _run_data_worker(script, tiny_target_dir, out, cfg, pause=None)
+    summary = events[-1][1]
+    assert any("reusing" in m for m in _logs(events)) and summary["shards_reused"] == 1
+    assert not [e for e in events if e[0] == "progress" and e[1] == "regenerate"]
+    assert {p: p.stat().st_mtime_ns for p in kept_mtimes} == kept_mtimes  # finished work not rewritten
+    straight = tmp_path / "straight"
+    _run_data_worker(script, tiny_target_dir, straight, cfg, pause=None)
+    files = sorted(p.relative_to(straight) for p in straight.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert Path("hidden_states/train-00001.safetensors") in files
+    for rel in files:
+        assert (out / rel).read_bytes() == (straight / rel).read_bytes(), rel
+
+    # 5. a corrupted finished shard is found by its sha256 and rewritten; the others are reused
     shard = hs / "train-00001.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
-    again = generate_dataset(tiny_target_dir, TargetConfig(), cfg, tmp_path, log=quiet)
+    monkeypatch.setattr(tiny_target_mod, "_thread_count", lambda requested=0, own_threads=0: 1)  # as the workers
+    again = generate_dataset(tiny_target_dir, TargetConfig(), cfg, out, log=lambda m: None)
     manifest = json.loads((hs / "manifest.json").read_text())
     assert again["shards_reused"] == len(manifest["shards"]) - 1
     assert again["bytes_written"] == shard.stat().st_size
-    assert data_mod.file_sha256(shard) == next(e["sha256"] for e in manifest["shards"] if e["file"] == shard.name)
+    assert shard.read_bytes() == (straight / "hidden_states" / shard.name).read_bytes()
 
 
 def test_disk_space_error_names_the_numbers(tiny_target_dir, tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from eagle3.capture import aux_ids_to_hf_indices
 from eagle3.decoding import (
@@ -29,6 +29,7 @@ from eagle3.decoding import (
     build_draft_tree,
 )
 from eagle3.model import DraftModelConfig, Eagle3DraftModel
+from eagle3.tiny_target import load_target
 
 SETTINGS = [SpecConfig(3, 1, 4), SpecConfig(7, 1, 8), SpecConfig(5, 4, 8), SpecConfig(4, 2, 6)]
 SETTING_IDS = ["chain-3-1-4", "chain-7-1-8", "tree-5-4-8", "tree-4-2-6"]
@@ -72,6 +73,13 @@ def prompts():
 def greedy_refs(target_model, prompts):
     plain = SpeculativeEngine(TargetModel(target_model))
     return {tuple(p): plain.generate(p, GREEDY).output_ids for p in prompts}
+
+
+@pytest.fixture(scope="module")
+def long_refs(target_model, prompts):
+    """Greedy continuations past GREEDY.max_new_tokens: a draft of the last verify may run past the cut."""
+    plain = SpeculativeEngine(TargetModel(target_model))
+    return {tuple(p): plain.generate(p, SamplingParams(max_new_tokens=40, ignore_eos=True)).output_ids for p in prompts}
 
 
 class ScriptedDrafter:
@@ -122,6 +130,38 @@ class ScriptedDrafter:
                                 generator=generator)
 
 
+class RecordingDrafter:
+    """Wraps a drafter; records each proposed tree with the output length when it was proposed."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.aux_hidden_indices, self.proposals = inner, inner.aux_hidden_indices, []
+        self.committed = 0
+
+    def start(self, input_ids, aux):
+        self.committed = 1  # the prefill's first token
+        return self.inner.start(input_ids, aux)
+
+    def extend(self, state, tokens, aux):
+        self.committed += len(tokens)
+        self.inner.extend(state, tokens, aux)
+
+    def propose(self, state, spec, sample_temperature, generator):
+        tree = self.inner.propose(state, spec, sample_temperature, generator)
+        self.proposals.append((self.committed, tree))
+        return tree
+
+
+def expected_accepts(tree: DraftTree, reference: list[int], committed: int) -> int:
+    """Drafts a greedy verify must accept: the deepest tree path spelling reference[committed:]."""
+    node, accepted = 0, 0
+    while committed + accepted < len(reference):
+        nxt = [c for c in tree.children[node] if tree.tokens[c] == reference[committed + accepted]]
+        if not nxt:
+            break
+        node, accepted = nxt[0], accepted + 1
+    return accepted
+
+
 def random_eagle3_drafter(target_model, draft_vocab: int = 48, seed: int = 0) -> Eagle3Drafter:
     """Random-init EAGLE-3 draft with a reduced vocab (d2t offsets) and the target's embedding."""
     torch.manual_seed(seed)
@@ -137,6 +177,58 @@ def random_eagle3_drafter(target_model, draft_vocab: int = 48, seed: int = 0) ->
         draft.lm_head.weight.mul_(20.0)
     indices = aux_ids_to_hf_indices("LlamaForCausalLM", dcfg.aux_layer_ids, cfg.num_hidden_layers)
     return Eagle3Drafter(draft.eval(), indices)
+
+
+# --------------------------------------------------------------------------- plain decoding vs HF generate
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate` (its KV cache, its positions), no stop token."""
+    ids = torch.tensor([prompt])
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=None)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny_targets(tiny_target_dir) -> dict[str, torch.nn.Module]:
+    """The session tiny target as trained, and the same architecture re-initialised with larger
+    weights: the trained one (10 steps) repeats one token, the re-initialised one's greedy output
+    keeps changing, so a wrong cache entry or position shows up as a different token."""
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(tiny_target_dir)
+    config.initializer_range = 0.4
+    models = {"trained": load_target(tiny_target_dir)[0], "reinitialised": LlamaForCausalLM(config).eval()}
+    for model in models.values():  # generate falls back to these stop ids when given None
+        model.generation_config.eos_token_id = None
+    return models
+
+
+@pytest.mark.parametrize("which", ["trained", "reinitialised"])
+def test_plain_decoding_equals_hf_generate_up_to_the_context_length(tiny_targets, which):
+    """Greedy, every prompt decoded until prompt + output fill max_position_embeddings (256)."""
+    model = tiny_targets[which]
+    context = model.config.max_position_embeddings
+    engine = SpeculativeEngine(TargetModel(model))
+    g = torch.Generator().manual_seed(0)
+    distinct = []
+    for length in (1, 3, 17, 60, 130):
+        prompt = torch.randint(4, model.config.vocab_size, (length,), generator=g).tolist()
+        expected = hf_greedy(model, prompt, context - length)
+        assert len(expected) == context - length  # HF ran to the end: no stop token cut it
+        got = engine.generate(prompt, SamplingParams(max_new_tokens=context - length, ignore_eos=True))
+        assert got.output_ids == expected, f"prompt length {length}"
+        assert got.finish_reason == {"type": "length", "length": context - length}
+        distinct.append(len(set(expected)))
+    if which == "reinitialised":  # the oracle is only as strong as the output is varied
+        assert max(distinct) > 50, distinct
+
+
+def test_plain_decoding_equals_hf_generate_on_the_exactness_target(target_model, prompts, greedy_refs):
+    """The references of the speculative exactness tests below are HF's greedy output."""
+    for p in prompts:
+        assert greedy_refs[tuple(p)] == hf_greedy(target_model, p, GREEDY.max_new_tokens), f"prompt {p}"
 
 
 # --------------------------------------------------------------------------- trees
@@ -195,12 +287,16 @@ def test_build_draft_tree_follows_sglang_selection():
 
 
 @pytest.mark.parametrize("spec", SETTINGS, ids=SETTING_IDS)
-def test_greedy_speculative_equals_plain_over_50_prompts(spec, target_model, prompts, greedy_refs):
-    engine = SpeculativeEngine(TargetModel(target_model), ScriptedDrafter(greedy_refs, VOCAB, noise=0.3), spec)
+def test_greedy_speculative_equals_plain_over_50_prompts(spec, target_model, prompts, greedy_refs, long_refs):
+    drafter = RecordingDrafter(ScriptedDrafter(greedy_refs, VOCAB, noise=0.3))
+    engine = SpeculativeEngine(TargetModel(target_model), drafter, spec)
     hist = [0] * (spec.num_steps + 1)
     for p in prompts:
+        drafter.proposals.clear()
         result = engine.generate(p, GREEDY)
         assert result.output_ids == greedy_refs[tuple(p)], f"prompt {p}"
+        expected = [expected_accepts(tree, long_refs[tuple(p)], committed) for committed, tree in drafter.proposals]
+        assert result.stats.accepted_per_verify == expected, f"prompt {p}"
         hist = [a + b for a, b in zip(hist, result.stats.correct_drafts_histogram)]
     # full, partial and zero acceptance all happened, so every rollback path ran
     assert hist[0] > 0 and hist[-1] > 0 and sum(hist[1:-1]) > 0
@@ -229,12 +325,20 @@ def test_oracle_drafter_accepts_every_draft(spec, target_model, prompts, greedy_
 
 
 @pytest.mark.parametrize("spec", [SETTINGS[0], SETTINGS[3]], ids=[SETTING_IDS[0], SETTING_IDS[3]])
-def test_random_drafter_still_yields_target_output(spec, target_model, prompts, greedy_refs):
-    engine = SpeculativeEngine(TargetModel(target_model), RandomDrafter(VOCAB, seed=3), spec)
+def test_random_drafter_still_yields_target_output(spec, target_model, prompts, greedy_refs, long_refs):
+    """Random trees: the output is the target's, and each verify accepts exactly the drafts that
+    spell the reference continuation (counted here from the recorded trees, not by the engine)."""
+    drafter = RecordingDrafter(RandomDrafter(VOCAB, seed=3))
+    engine = SpeculativeEngine(TargetModel(target_model), drafter, spec)
     for p in prompts[:5]:
+        drafter.proposals.clear()
         result = engine.generate(p, GREEDY)
-        assert result.output_ids == greedy_refs[tuple(p)]
-        assert result.stats.verify_ct >= len(result.output_ids) // (spec.num_steps + 1)
+        ref = greedy_refs[tuple(p)]
+        assert result.output_ids == ref
+        expected = [expected_accepts(tree, long_refs[tuple(p)], committed) for committed, tree in drafter.proposals]
+        assert result.stats.accepted_per_verify == expected
+        # each verify commits its accepted drafts + 1 token; the last one is cut at max_new_tokens
+        assert 1 + sum(a + 1 for a in expected[:-1]) < len(ref) <= 1 + sum(a + 1 for a in expected)
 
 
 def test_stop_token_and_length_finish_reasons(target_model, prompts, greedy_refs):

@@ -7,10 +7,6 @@ import json
 import pytest
 
 from eagle3.sglang_args import (
-    MSG_CPU_OVERLAP,
-    MSG_DRAFT_TOKENS_ADJUSTED,
-    MSG_MAX_RUNNING,
-    MSG_NON_OVERLAP,
     LaunchArgsError,
     max_tree_nodes,
     parse_launch_args,
@@ -19,6 +15,14 @@ from eagle3.sglang_args import (
 )
 
 LLAMA = "LlamaForCausalLM"
+# SGLang 0.5.23's own log texts (reference sglang-eagle3.md §1.2, rules 7a, 7b, 7c, 7j), spelled out
+# here rather than imported from eagle3.sglang_args, so a typo in the module's copy fails a test.
+MAX_RUNNING = ("Max running requests is reset to 48 for speculative decoding. You can override this by "
+               "explicitly setting --max-running-requests.")
+CPU_OVERLAP = "Overlap schedule is not implemented for speculative decoding on CPU."
+NON_OVERLAP = "Non-overlap (synchronous) spec v2 is used for eagle/eagle3/standalone speculative decoding."
+DRAFT_TOKENS_ADJUSTED = ("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
+                         "speculative_eagle_topk == 1")
 
 
 def spec_argv(steps=None, topk=None, draft=None, *extra, algo="EAGLE3"):
@@ -55,32 +59,27 @@ def test_effective_values_match_verified_runs(given, arch, expected):
     assert res.ok, res.errors
     assert effective(res) == expected
     assert res.max_running_requests == 48
-    assert ("warning", MSG_MAX_RUNNING) in res.adjustments
-    adjusted = ("warning", MSG_DRAFT_TOKENS_ADJUSTED) in res.adjustments
+    assert ("warning", MAX_RUNNING) in res.adjustments
+    adjusted = ("warning", DRAFT_TOKENS_ADJUSTED) in res.adjustments
     assert adjusted == (given[1] == 1 and given[2] != given[0] + 1)
 
 
 def test_seed_case_reports_two_draft_tokens_with_sglang_warning():
     res = resolve_speculative_args(spec_argv(1, 1, 16), target_architecture=LLAMA)
     assert res.resolved_settings()["speculative_num_draft_tokens"] == 2
-    assert res.adjustments == [
-        ("warning", "Max running requests is reset to 48 for speculative decoding. You can override this by "
-                    "explicitly setting --max-running-requests."),
-        ("warning", "speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
-                    "speculative_eagle_topk == 1"),
-    ]
+    assert res.adjustments == [("warning", MAX_RUNNING), ("warning", DRAFT_TOKENS_ADJUSTED)]
 
 
 def test_explicit_max_running_requests_is_kept_and_cpu_disables_overlap():
     res = resolve_speculative_args(spec_argv(3, 1, 4, "--device", "cpu", "--max-running-requests", "16"),
                                    target_architecture=LLAMA)
     assert res.max_running_requests == 16 and res.disable_overlap_schedule
-    assert res.adjustments == [("warning", MSG_CPU_OVERLAP), ("warning", MSG_NON_OVERLAP)]
+    assert res.adjustments == [("warning", CPU_OVERLAP), ("warning", NON_OVERLAP)]
 
 
 def test_explicit_disable_overlap_logs_only_the_non_overlap_warning():
     res = resolve_speculative_args(spec_argv(3, 1, 4, "--disable-overlap-schedule"), target_architecture=LLAMA)
-    assert ("warning", MSG_NON_OVERLAP) in res.adjustments and ("warning", MSG_CPU_OVERLAP) not in res.adjustments
+    assert ("warning", NON_OVERLAP) in res.adjustments and ("warning", CPU_OVERLAP) not in res.adjustments
 
 
 @pytest.mark.parametrize("given, flag", [((None, 4, None), "--speculative-eagle-topk"),
