@@ -60,17 +60,28 @@ def write_config(workdir: Path, max_steps: int) -> Path:
     return path
 
 
+# Every CLI this module starts (and so every server those start) carries this in its environment,
+# so servers of other test sessions on the same machine are not mistaken for ours.
+RUN_MARK = f"interrupts-{os.getpid()}-{time.time_ns()}"
+
+
 def prefect_servers() -> set[int]:
+    """Temporary Prefect servers started by this module's CLIs (even orphaned ones)."""
     found = set()
     for proc in psutil.process_iter(["pid", "cmdline"]):
-        if SERVER_MARK in " ".join(proc.info["cmdline"] or []):
-            found.add(proc.info["pid"])
+        if SERVER_MARK not in " ".join(proc.info["cmdline"] or []):
+            continue
+        try:
+            if proc.environ().get("EAGLEOPS_TEST_RUN") == RUN_MARK:
+                found.add(proc.info["pid"])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return found
 
 
 def start_cli(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     """`eagleops ...` in its own process group with SIGINT at its default (a terminal's job)."""
-    env = {**os.environ, **(env or {})}
+    env = {**os.environ, **(env or {}), "EAGLEOPS_TEST_RUN": RUN_MARK}
     env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run has
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env,
