@@ -479,6 +479,44 @@ def validate_speculators_checkpoint(draft_dir: Path, target_config: dict) -> lis
     return problems
 
 
+# ============================================================================ serving wiring
+
+TRAINING_RECORD = "eagleops_training.json"  # beside config.json in the SGLang export; SGLang ignores it
+
+
+def describe_hf_indices(indices: list[int]) -> list[str]:
+    """HF hidden_states indices as layer names: 0 -> "embeddings", j -> "layer j-1" (its output)."""
+    return ["embeddings" if i == 0 else f"layer {i - 1}" for i in indices]
+
+
+def check_serving_wiring(draft_dir: Path, target_config: dict, record: dict | None) -> list[Problem]:
+    """Will SGLang feed this draft what it was trained on? The export validator's checks against the
+    serving target's config.json, plus the training record (what the data stage captured) against the
+    layers SGLang captures for the draft's eagle_config ids on this target.
+    """
+    problems = validate_sglang_checkpoint(Path(draft_dir), target_config)
+    if record is None:
+        return problems + [Problem("training_record", f"{TRAINING_RECORD} is absent: what the draft was trained on "
+                                   "cannot be compared with what the server feeds", "warning")]
+    arch, layers = _architecture(target_config), target_config.get("num_hidden_layers")
+    if record.get("architecture") != arch or record.get("num_hidden_layers") != layers:
+        problems.append(Problem("training_target", f"trained on a {record.get('num_hidden_layers')}-layer "
+                                f"{record.get('architecture')} target, serving a {layers}-layer {arch}"))
+        return problems
+    ids = json.loads((Path(draft_dir) / "config.json").read_text()).get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    try:
+        fed = sglang_layers_to_capture(arch, list(ids) if ids is not None else None, layers)
+    except ValueError as err:
+        return problems + [Problem("layer_rule", f"cannot tell which layers SGLang feeds: {err}")]
+    trained = list(record.get("hf_indices", []))
+    if fed != trained:
+        problems.append(Problem("layer_mismatch", f"the draft was trained on {describe_hf_indices(trained)} "
+                                f"(HF hidden_states {trained}) but SGLang will feed {describe_hf_indices(fed)} "
+                                f"(HF hidden_states {fed}, from eagle_config ids {ids})"))
+    return problems
+
+
 # ============================================================================ stage entry
 
 

@@ -8,12 +8,14 @@ raw checkpoint dir, which is what SGLang loads) so deploys can fetch `models:/na
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.export import TRAINING_RECORD
 from eagle3.export import export_checkpoint as run_export
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
@@ -42,6 +44,10 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         raise ValueError("train_draft produced no checkpoint to export")
     target_dir = Path(trained["outputs"]["target_dir"])
     result = run_export(Path(checkpoint), target_dir, cfg.export, ctx.stage_dir)
+    if "sglang" in result["formats"] and trained.get("training_record"):
+        record = {**trained["training_record"], "simulated_accept_length": trained.get("simulated_accept_length"),
+                  "acc": trained.get("acc")}
+        Path(result["formats"]["sglang"], TRAINING_RECORD).write_text(json.dumps(record, indent=2))
     for fmt, path in result["formats"].items():
         ctx.mlflow.log_artifact(path, f"checkpoint/{fmt}")
         logger().info(f"export_checkpoint: {fmt} checkpoint at {path}")

@@ -48,6 +48,20 @@ def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_d
     )
 
 
+def training_record(data: dict, target_dir: Path) -> dict:
+    """What the draft was trained on, carried with its export so a deploy can check the server feeds the same."""
+    target = json.loads((target_dir / "config.json").read_text())
+    return {
+        "architecture": data["architecture"],
+        "num_hidden_layers": target.get("text_config", target)["num_hidden_layers"],
+        "aux_layer_ids": data["aux_layer_ids"],
+        "hf_indices": data["hf_indices"],
+        "chat_template_sha256": data.get("chat_template_sha256"),
+        "hidden_states": data.get("hidden_states"),
+        "draft_vocab_coverage": data.get("vocab", {}).get("coverage"),
+    }
+
+
 @task(name="train_draft", cache_policy=NO_CACHE)
 def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     data = ctx.upstream["generate_data"]
@@ -69,6 +83,7 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
                   f"({summary.get('metrics_split')} split), acc_k {summary.get('acc')}")
     return {
         **summary,
+        "training_record": training_record(data, target_dir),
         "metrics": {k: v for k, v in metrics.items() if v is not None},
         "outputs": {"checkpoint": summary["checkpoint"], "target_dir": str(target_dir), "train_dir": str(ctx.stage_dir / "draft")},
         "output_digest": digest_json([digest_paths([summary["checkpoint"]]), str(target_dir.resolve())]),
