@@ -862,7 +862,7 @@ class SSHExecutor(_ExecutorBase):
     def _execute(self, command: str, stdin: bytes | None, out: _OutputStream, err: _OutputStream,
                  deadline: float | None) -> int | None:
         channel = self._open_channel()
-        with contextlib.closing(channel):
+        try:
             try:
                 channel.exec_command(command)
                 if stdin:
@@ -874,6 +874,8 @@ class SSHExecutor(_ExecutorBase):
             if status == -1 and not channel.get_transport().is_active():
                 raise ConnectionLost(f"[{self.name}] connection lost while running a command")
             return status
+        finally:
+            _close_quietly(channel)
 
     def _open_sink(self, path: str, append: bool) -> _Sink:
         return _ChannelSink(self, path, append)
@@ -892,15 +894,21 @@ def _load_key(host: HostConfig) -> paramiko.PKey | None:
     if host.key_file is None:
         return None
     path = os.path.expanduser(host.key_file)
-    passphrase = host.key_passphrase.get_secret_value() if host.key_passphrase else None
+    passphrase = host.key_passphrase.get_secret_value().encode() if host.key_passphrase else None
     try:
         return paramiko.PKey.from_path(path, password=passphrase)
     except FileNotFoundError:
         raise FileNotFoundError(f"hosts[{host.name}].key_file: {path} does not exist") from None
-    except paramiko.PasswordRequiredException:
+    except (paramiko.PasswordRequiredException, TypeError):  # cryptography raises TypeError for a missing one
         raise ConnectError(f"hosts[{host.name}].key_file: {path} is encrypted; set key_passphrase") from None
     except (paramiko.SSHException, ValueError) as err:
         raise ConnectError(f"hosts[{host.name}].key_file: cannot load {path}: {err}") from None
+
+
+def _close_quietly(channel: paramiko.Channel) -> None:
+    """Close a channel whose connection may already be gone (closing then raises EOFError)."""
+    with contextlib.suppress(OSError, EOFError, paramiko.SSHException):
+        channel.close()
 
 
 def _open_direct_tcpip(transport: paramiko.Transport, address: str, port: int, timeout: float) -> paramiko.Channel:
@@ -937,7 +945,7 @@ class _ChannelSink:
         try:
             self.channel.exec_command(f"cat {'>>' if append else '>'} {shlex.quote(path)}")
         except (OSError, EOFError, paramiko.SSHException) as err:
-            self.channel.close()
+            _close_quietly(self.channel)
             raise ConnectionLost(f"[{executor.name}] upload to {path}: {err}") from err
         self.chunk_size = self.channel.out_max_packet_size - 64
 
@@ -949,12 +957,13 @@ class _ChannelSink:
 
     def finish(self) -> None:
         err = _OutputStream(f"{self.executor.name} stderr", log_lines=False)
-        with contextlib.closing(self.channel):
-            try:
-                self.channel.shutdown_write()
-                status = _pump(self.channel, err, err, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
-            except (OSError, EOFError, paramiko.SSHException) as error:
-                raise ConnectionLost(f"[{self.executor.name}] upload to {self.path} cut: {error}") from error
+        try:
+            self.channel.shutdown_write()
+            status = _pump(self.channel, err, err, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
+        except (OSError, EOFError, paramiko.SSHException) as error:
+            raise ConnectionLost(f"[{self.executor.name}] upload to {self.path} cut: {error}") from error
+        finally:
+            _close_quietly(self.channel)
         err.close()
         if status is None or (status == -1 and not self.channel.get_transport().is_active()):
             raise ConnectionLost(f"[{self.executor.name}] upload to {self.path}: no exit status from cat")
@@ -962,7 +971,7 @@ class _ChannelSink:
             raise CommandFailed(self.executor.name, f"cat > {self.path}", ["cat", self.path], status, "", err.text)
 
     def abort(self) -> None:
-        self.channel.close()
+        _close_quietly(self.channel)
 
 
 class _Tunnel:
@@ -1002,16 +1011,18 @@ class _Tunnel:
             self._spawn(self._pipe, conn, channel)
 
     def _pipe(self, conn: socket.socket, channel: paramiko.Channel) -> None:
-        with contextlib.closing(conn), contextlib.closing(channel):
+        try:
             while not self._stop.is_set():
                 ready, _, _ = select.select([conn, channel], [], [], 0.5)
-                try:
-                    if conn in ready and not _relay(conn.recv, channel.sendall):
-                        return
-                    if channel in ready and not _relay(channel.recv, conn.sendall):
-                        return
-                except (OSError, EOFError, paramiko.SSHException):
+                if conn in ready and not _relay(conn.recv, channel.sendall):
                     return
+                if channel in ready and not _relay(channel.recv, conn.sendall):
+                    return
+        except (OSError, EOFError, paramiko.SSHException):
+            return  # either end went away: the finally closes both
+        finally:
+            conn.close()
+            _close_quietly(channel)
 
     def stop(self) -> None:
         self._stop.set()
