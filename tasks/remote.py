@@ -249,6 +249,20 @@ with open(sys.argv[1], "rb") as f:
 print(digest.hexdigest())
 """
 _SIZE_SCRIPT = '[ -f "$1" ] || exit 3; wc -c < "$1"'
+# Upload bookkeeping in one round trip each (every exec costs a shell start on the host):
+# before sending, create the directory and report whether dest exists and the `.part` size;
+# after sending, hash the `.part` and rename it only if the hash is the expected one.
+_UPLOAD_PROBE_SCRIPT = """mkdir -p "$(dirname "$1")" || exit 1
+if [ -e "$1" ]; then echo 1; else echo 0; fi
+if [ -f "$2" ]; then wc -c < "$2"; else echo 0; fi
+"""
+_UPLOAD_COMMIT_SCRIPT = """part=$1; dest=$2; want=$3
+if command -v openssl >/dev/null 2>&1; then got=$(openssl dgst -sha256 -r "$part") || exit 1
+else got=$("$4" -c "$5" "$part") || exit 1; fi
+got=${got%% *}
+if [ "$got" = "$want" ]; then mv -f "$part" "$dest" || exit 1; fi
+echo "$got"
+"""
 _READ_SCRIPT = '[ -f "$1" ] || exit 3; if [ -n "$2" ]; then exec tail -n "$2" "$1"; fi; exec cat "$1"'
 _PORT_PY = """import socket, sys
 probe = socket.socket()
@@ -537,20 +551,20 @@ class _ExecutorBase:
 
     def _upload_once(self, local: Path, remote: str, progress: Progress) -> UploadResult:
         started, size, part = time.monotonic(), local.stat().st_size, remote + ".part"
-        self.makedirs(posixpath.dirname(remote) or ".")
-        if self.path_exists(remote):
+        probe = self.run(_sh(_UPLOAD_PROBE_SCRIPT, remote, part), log_output=False, timeout=60).stdout.split()
+        dest_exists, offset = probe[0] == "1", int(probe[1])
+        if dest_exists:
             local_hash = sha256_file(local)
             if self.sha256(remote) == local_hash:
                 logger().info("[%s] %s already has sha256 %s; upload skipped", self.name, remote, local_hash[:12])
                 return UploadResult(str(local), remote, size, local_hash, 0, time.monotonic() - started, skipped=True)
-        offset = self.file_size(part) or 0
         if offset > size:  # a `.part` of some other, longer file
             offset = 0
         resumed_from, sent_total, restarted = offset, 0, False
         while True:
             sent, local_hash = self._stream(local, part, offset, size, progress)
             sent_total += sent
-            remote_hash = self.sha256(part)
+            remote_hash = self._commit_if_hash(part, remote, local_hash)
             if remote_hash == local_hash:
                 break
             if restarted:
@@ -560,13 +574,21 @@ class _ExecutorBase:
             logger().warning("[%s] %s: sha256 %s != local %s after resuming at byte %d; sending again from zero",
                              self.name, part, remote_hash, local_hash, offset)
             offset, restarted = 0, True
-        self.run(["mv", "-f", part, remote], log_output=False, timeout=60)
         result = UploadResult(str(local), remote, size, local_hash, sent_total, time.monotonic() - started,
                               resumed_from=resumed_from, restarted=restarted)
         logger().info("[%s] uploaded %s -> %s: %.1f MB sent in %.1f s (%.1f MB/s)%s", self.name, local, remote,
                       sent_total / 1e6, result.seconds, result.mb_per_s,
                       f", resumed from byte {resumed_from}" if resumed_from else "")
         return result
+
+    def _commit_if_hash(self, part: str, remote: str, expected: str) -> str:
+        """Rename `part` to `remote` if its sha256 is `expected`; return the hash found."""
+        result = self.run(_sh(_UPLOAD_COMMIT_SCRIPT, part, remote, expected, self.python, _SHA256_PY),
+                          log_output=False)
+        found = result.stdout.strip().lower()
+        if not SHA256_HEX.match(found):
+            raise RemoteError(f"[{self.name}] sha256 of {part}: unexpected output {result.stdout!r}")
+        return found
 
     def _stream(self, local: Path, part: str, offset: int, size: int, progress: Progress) -> tuple[int, str]:
         """Send `local[offset:]` onto the end of `part`; return (bytes sent, sha256 of all of `local`)."""
