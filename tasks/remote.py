@@ -146,6 +146,8 @@ class UploadResult:
     skipped: bool = False
     resumed_from: int = 0
     restarted: bool = False  # a resumed `.part` failed verification and was sent again from zero
+    transfer_seconds: float = 0.0  # streaming the bytes
+    verify_seconds: float = 0.0  # the host re-reading and hashing the `.part`, and the rename
 
     @property
     def mb_per_s(self) -> float:
@@ -447,10 +449,11 @@ class _ExecutorBase:
                        log_file: str, pid_file: str) -> int:
         """Start `argv` in its own session and process group, stdout+stderr to `log_file`; its pid."""
         words = _validated(argv, env)
-        command = ["env", *(f"{k}={v}" for k, v in env.items())] + words if env else words
         log_file, pid_file = self.expand_path(log_file), self.expand_path(pid_file)
-        result = self.run(_sh(_DETACH_SCRIPT, log_file, pid_file, self.expand_path(cwd) if cwd else "", *command),
-                          log_output=False, timeout=60)
+        # env goes to the launcher as env (the detached child inherits it), so secret values stay
+        # masked in every log line and error message instead of sitting in the launcher's argv.
+        result = self.run(_sh(_DETACH_SCRIPT, log_file, pid_file, self.expand_path(cwd) if cwd else "", *words),
+                          env=env, log_output=False, timeout=60)
         pid = int(result.stdout.strip())
         logger().info("[%s] started pid %d: %s (log %s)", self.name, pid, describe_command(argv, env, cwd), log_file)
         return pid
@@ -560,11 +563,13 @@ class _ExecutorBase:
                 return UploadResult(str(local), remote, size, local_hash, 0, time.monotonic() - started, skipped=True)
         if offset > size:  # a `.part` of some other, longer file
             offset = 0
-        resumed_from, sent_total, restarted = offset, 0, False
+        resumed_from, sent_total, restarted, transfer_s, verify_s = offset, 0, False, 0.0, 0.0
         while True:
+            phase = time.monotonic()
             sent, local_hash = self._stream(local, part, offset, size, progress)
-            sent_total += sent
+            sent_total, transfer_s, phase = sent_total + sent, transfer_s + time.monotonic() - phase, time.monotonic()
             remote_hash = self._commit_if_hash(part, remote, local_hash)
+            verify_s += time.monotonic() - phase
             if remote_hash == local_hash:
                 break
             if restarted:
@@ -575,9 +580,10 @@ class _ExecutorBase:
                              self.name, part, remote_hash, local_hash, offset)
             offset, restarted = 0, True
         result = UploadResult(str(local), remote, size, local_hash, sent_total, time.monotonic() - started,
-                              resumed_from=resumed_from, restarted=restarted)
-        logger().info("[%s] uploaded %s -> %s: %.1f MB sent in %.1f s (%.1f MB/s)%s", self.name, local, remote,
-                      sent_total / 1e6, result.seconds, result.mb_per_s,
+                              resumed_from=resumed_from, restarted=restarted, transfer_seconds=transfer_s,
+                              verify_seconds=verify_s)
+        logger().info("[%s] uploaded %s -> %s: %.1f MB in %.1f s (%.1f MB/s; sending %.1f s, verifying %.1f s)%s",
+                      self.name, local, remote, sent_total / 1e6, result.seconds, result.mb_per_s, transfer_s, verify_s,
                       f", resumed from byte {resumed_from}" if resumed_from else "")
         return result
 

@@ -166,12 +166,15 @@ def test_shell_command_shape():
 # --------------------------------------------------------------------------- processes and files
 
 
-def test_start_detached_is_alive_and_kill_group(executor, tmp_path):
+def test_start_detached_is_alive_and_kill_group(executor, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="eagleops.remote")
     log, pid_file = tmp_path / "logs" / "server.log", tmp_path / "server.pid"
     pid = executor.start_detached(["sh", "-c", 'echo "started $MARK"; sleep 3041 & exec sleep 3042'],
-                                  env={"MARK": "m1"}, log_file=str(log), pid_file=str(pid_file))
+                                  env={"MARK": "m1", "API_KEY": "hush-123"}, log_file=str(log), pid_file=str(pid_file))
     try:
         assert executor.is_alive(pid) and int(pid_file.read_text()) == pid
+        assert b"API_KEY=hush-123" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert "hush-123" not in caplog.text and "API_KEY=****" in caplog.text
         assert os.getpgid(pid) == pid and os.getsid(pid) == pid  # its own session and group
         for _ in range(200):  # the command forks its background child after the pid file is written
             if len(live_processes("sleep 304")) == 2:
