@@ -24,7 +24,9 @@ $(STAMP): pyproject.toml requirements-ci.txt
 demo: install
 	$(BIN)/eagleops run configs/tiny.yaml
 
+# The SSH tests run against a private OpenSSH sshd on 127.0.0.1 (tests/sshd.py).
 test: install
+	command -v sshd || test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssl)
 	$(BIN)/python -m pytest -q
 
 test-fast: install

@@ -51,6 +51,16 @@ class HostConfig(StrictModel):
     workdir: str = Field("~/eagleops", min_length=1, description="Remote directory for checkpoints and logs.")
     python: str = Field("python3", min_length=1, description="Remote Python that has sglang installed.")
     connect_timeout_s: float = Field(15.0, gt=0, le=600, description="TCP + SSH handshake timeout.")
+    connect_retries: int = Field(
+        3, ge=0, le=20, description="Reconnect attempts after a network error (with backoff); never after an "
+        "authentication or host-key failure."
+    )
+    jump_host: str | None = Field(
+        None,
+        pattern=r"^([a-z0-9][a-z0-9_.-]{0,63}|[^@\s]+@[^@\s:]+(:\d{1,5})?)$",
+        description="Reach this host through another: a hosts[].name, or user@host[:port] (same key and "
+        "known_hosts as this host).",
+    )
 
 
 class SpeculativeConfig(StrictModel):

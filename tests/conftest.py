@@ -1,7 +1,8 @@
 """Session-wide test environment: telemetry off, Prefect home and MLflow stores in tmp dirs.
 
 The Prefect test harness (a real Prefect API server on a free port, ~20 s to start on two
-cores) is session-scoped and started only by tests that ask for `prefect_harness`.
+cores) is session-scoped and started only by tests that ask for `prefect_harness`; so is the
+private OpenSSH server (`sshd`, see tests/sshd.py).
 """
 
 from __future__ import annotations
@@ -51,3 +52,16 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def sshd():
+    """A real sshd on 127.0.0.1 (tests/sshd.py), started once; tests skip if it cannot run."""
+    from tests.sshd import SshdUnavailable, start_sshd
+
+    try:
+        server = start_sshd(_SESSION_HOME / "sshd")
+    except SshdUnavailable as err:
+        pytest.skip(f"no sshd for SSH tests: {err}")
+    yield server
+    server.stop()
