@@ -174,6 +174,29 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
         table.add_row(name, str(status))
     out.print(table)
     out.print(f"MLflow parent run: {result['mlflow_run_id']}")
+    bench = result.get("results", {}).get("run_benchmark")
+    if bench:
+        _print_benchmark(bench)
+
+
+def _print_benchmark(bench: dict) -> None:
+    """The answer, last: tok/s of the baseline and each setting, speedup, accept length online/offline, verdict."""
+    table = Table(title="benchmark (median tok/s of the timed runs)")
+    for column in ("setting", "conc.", "tok/s", "speedup", "accept len online", "offline (sim.)"):
+        table.add_column(column)
+    base = {r["concurrency"]: r["tok_s_median"] for r in bench["rows"] if not r["speculative"]}
+    offline = bench["offline"].get("per_setting", {})
+    for r in bench["rows"]:
+        speedup = r["tok_s_median"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None
+        expected = offline.get(r["setting"], {}).get("expected_accept_length")
+        table.add_row(r["setting"], str(r["concurrency"]), f"{r['tok_s_median']:.1f}",
+                      f"{speedup:.2f}x" if speedup else "-",
+                      f"{r['decode_accept_length']:.2f}" if r["decode_accept_length"] else "-",
+                      f"{expected:.2f}" if expected else "-")
+    out.print(table)
+    verdict = bench["verdict"]
+    colour = {"faster": "green", "faster_with_alarms": "yellow"}.get(verdict["status"], "red")
+    out.print(f"[{colour}]verdict[/{colour}]: {verdict['summary']}", highlight=False, soft_wrap=True)
 
 
 @app.command()

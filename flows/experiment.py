@@ -14,7 +14,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from tasks.config import load_experiment
+from tasks.bench import run_benchmark
 from tasks.data import generate_data
+from tasks.deploy import deploy_server, teardown_for_flow_run, teardown_run
 from tasks.env import check_environment
 from tasks.export import export_checkpoint
 from tasks.pipeline import Pipeline, is_interrupt
@@ -22,7 +24,13 @@ from tasks.report import report
 from tasks.train import train_draft
 
 
-@flow(name="eagle3-experiment", log_prints=True)
+def _teardown_hook(flow, flow_run, state) -> None:
+    """Failure/cancellation/crash hook: stop every server this flow run started, wherever the hook runs."""
+    teardown_for_flow_run(flow_run.parameters, str(flow_run.id))
+
+
+@flow(name="eagle3-experiment", log_prints=True,
+      on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
 def eagle3_experiment(
     config_path: str, stages: list[str] | None = None, run_dir: str | None = None, variant: int | None = None
 ) -> dict:
@@ -41,13 +49,16 @@ def eagle3_experiment(
         pipeline.run_stage(train_draft)
         # 4. SGLang (and vLLM speculators) checkpoint + validation
         pipeline.run_stage(export_checkpoint)
-        # 5. copy the draft to the serving host and start the server
-        pipeline.run_pending("deploy_server", "SSH deployment of SGLang is not built yet")
-        # 6. timed generations: baseline vs speculative, online vs offline accept length
-        pipeline.run_pending("run_benchmark", "benchmarking is not built yet")
+        # 5. preflight, copy the draft to the serving host, start the server, check what it runs
+        pipeline.run_stage(deploy_server)
+        # 6. timed generations: baseline vs each setting, online vs offline accept length, diagnosis
+        pipeline.run_stage(run_benchmark)
         # 7. one table of everything
         pipeline.run_stage(report)
     except BaseException as err:
         pipeline.finish("KILLED" if is_interrupt(err) else "FAILED")
         raise
+    finally:
+        # 8. no server outlives the flow
+        teardown_run(pipeline.run.path, cfg)
     return pipeline.finish("FINISHED")

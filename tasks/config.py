@@ -112,6 +112,17 @@ class BenchConfig(StrictModel):
     accept_length_tolerance: float = Field(
         0.25, ge=0, le=1, description="Max relative gap between online and offline accept length."
     )
+    endpoint: Literal["generate", "chat", "completions"] = Field(
+        "generate", description="`generate`: token ids through the target's chat template (needs the tokenizer "
+        "here); `chat`/`completions`: the OpenAI endpoints (the server applies its template)."
+    )
+    sweep: list[SpeculativeConfig] = Field(
+        default_factory=list, description="Further (num_steps, eagle_topk, num_draft_tokens) settings, one server "
+        "launch each; a setting the server would rewrite runs under its effective values."
+    )
+    offline_reference: bool = Field(
+        True, description="Also run the reference decoder in-process on the same prompts (targets readable here)."
+    )
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> BenchConfig:

@@ -388,6 +388,21 @@ def teardown_run(run_dir: str | Path, cfg: ExperimentConfig | None = None) -> li
     return stopped
 
 
+def teardown_for_flow_run(parameters: dict, flow_run_id: str) -> list[str]:
+    """Teardown from a Prefect hook, which may run in another process: find the run folder whose
+    manifest lists this flow run, then stop its recorded servers."""
+    from tasks.config import load_experiment
+
+    cfg = load_experiment(parameters["config_path"], parameters.get("variant"))
+    folders = [Path(parameters["run_dir"])] if parameters.get("run_dir") else \
+        sorted((Path(cfg.runs_root) / cfg.experiment).glob("*"), reverse=True)
+    for folder in folders:
+        manifest = folder / "manifest.json"
+        if manifest.is_file() and flow_run_id in json.loads(manifest.read_text()).get("prefect_flow_run_ids", []):
+            return teardown_run(folder, cfg)
+    return []
+
+
 def _executor_for(host: str, cfg: ExperimentConfig | None) -> Executor | None:
     if host == "local":
         return connect(None)

@@ -1,0 +1,278 @@
+"""run_benchmark: baseline vs each speculative setting on the same host and prompts, and the verdict.
+
+The seed's manual investigation (2 warm-ups, 5 timed runs, grepping "accept len", /server_info)
+as one stage. Per setting: W warm-up then N timed runs through `eagle3.sglang_client` (tok/s,
+TTFT, ITL, accept length per request from meta_info), the server's own figures (/server_info,
+/metrics, its decode log lines) compared with the client's, and the draft's offline figures
+beside them (the simulated accept length from training, truncated to the setting's depth, and
+the reference decoder's accept length on the same prompts when the target is here). Sweeps
+launch one server per setting through the deploy stage's `launch`; a setting the server would
+rewrite is run and reported under its effective values. `tasks.diagnose` explains a setting that
+is not faster than the baseline or whose online accept length falls short of the offline one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.sglang_client import (
+    BenchResult, SGLangClient, builtin_prompts, compare_client_server, heldout_overlap, load_prompts_jsonl,
+    render_prompts, run_benchmark as run_rounds, summarize_decode_log,
+)
+from tasks.config import ExperimentConfig, SpeculativeConfig
+from tasks.deploy import (
+    Placement, ServerHandle, executor_of, launch, live_handles, log_tail, preflight, report_findings, setting_label,
+    stop,
+)
+from tasks.diagnose import diagnose, expected_accept_length
+from tasks.pipeline import StageContext, logger
+from tasks.report_bench import log_bench_report
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def bench_prompts(cfg: ExperimentConfig, samples: Path | None) -> list[list[dict]]:
+    """The benchmark's conversations, never ones the draft trained on (the held-out check)."""
+    if cfg.bench.prompts == "builtin":
+        pool = builtin_prompts(cfg.bench.num_prompts * 4)
+        if samples is not None and samples.is_file():
+            seen = set(heldout_overlap(pool, samples))
+            pool = [p for i, p in enumerate(pool) if i not in seen]
+        if len(pool) < cfg.bench.num_prompts:
+            raise ValueError(f"bench.num_prompts={cfg.bench.num_prompts}: only {len(pool)} builtin prompts are not "
+                             "training prompts; lower it or give a .jsonl")
+        return pool[: cfg.bench.num_prompts]
+    prompts = load_prompts_jsonl(cfg.bench.prompts)[: cfg.bench.num_prompts]
+    if samples is not None and samples.is_file():
+        seen = heldout_overlap(prompts, samples)
+        if seen:
+            raise ValueError(f"bench.prompts: {cfg.bench.prompts} prompts {[i + 1 for i in seen][:10]} are training "
+                             "prompts of this draft; benchmark on held-out prompts")
+    return prompts
+
+
+def request_inputs(cfg: ExperimentConfig, conversations: list[list[dict]], tokenizer_dir: Path | None):
+    """Token ids through the target's chat template when the tokenizer is here; else the chat endpoint."""
+    if cfg.bench.endpoint == "chat" or tokenizer_dir is None:
+        return "chat", conversations
+    ids = render_prompts(conversations, tokenizer_dir)
+    return ("generate", ids) if cfg.bench.endpoint == "generate" else ("completions", ids)
+
+
+# ------------------------------------------------------------------ one setting
+
+
+def measure(cfg: ExperimentConfig, handle: ServerHandle, endpoint: str, prompts: list, concurrency: int) -> BenchResult:
+    with SGLangClient(handle.local_url, timeout=max(600.0, cfg.deploy.startup_timeout_s)) as client:
+        return run_rounds(client, prompts, warmup_runs=cfg.bench.warmup_runs, timed_runs=cfg.bench.timed_runs,
+                          concurrency=concurrency, max_new_tokens=cfg.bench.max_new_tokens,
+                          temperature=cfg.bench.temperature, endpoint=endpoint, ignore_eos=True)
+
+
+def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_log: dict, concurrency: int) -> dict:
+    """One comparison-table row: the client's figures (min/median/max), the server's, their disagreements."""
+    summary = result.summary()
+    tok_s = summary.get("output_tok_per_s", {})
+    return {
+        "setting": label, "speculative": handle.speculative, "concurrency": concurrency,
+        "asked": handle.asked, "effective": handle.effective,
+        "tok_s_min": tok_s.get("min"), "tok_s_median": tok_s.get("median"), "tok_s_max": tok_s.get("max"),
+        "ttft_p50_s": summary.get("ttft_p50_s", {}).get("median"), "ttft_p99_s": summary.get("ttft_p99_s", {}).get("median"),
+        "itl_p50_s": summary.get("itl_p50_s", {}).get("median"), "itl_p99_s": summary.get("itl_p99_s", {}).get("median"),
+        "accept_length": result.accept_length, "decode_accept_length": result.decode_accept_length,
+        "server_avg_spec_accept_length": result.server.avg_spec_accept_length,
+        "server_metrics_accept_length": result.server.metrics_accept_length,
+        "log_accept_len": decode_log.get("accept_len_mean"), "log_gen_throughput": decode_log.get("gen_throughput_mean"),
+        "accepted_by_position": accepted_by_position(result),
+        "output_ids": [r.output_ids for r in result.runs[-1].requests] if result.runs else [],
+        "disagreements": compare_client_server(result) if handle.speculative else [],
+        "verify_s": _verify_seconds(result),
+    }
+
+
+def accepted_by_position(result: BenchResult) -> list[float]:
+    """Share of verify steps whose draft token at position k was accepted (from the correct-drafts histogram)."""
+    histogram: list[int] = []
+    for run in result.runs:
+        for request in run.requests:
+            counts = (request.meta_info or {}).get("spec_correct_drafts_histogram") or []
+            histogram = [a + b for a, b in zip(histogram + [0] * len(counts), counts + [0] * len(histogram))]
+    total = sum(histogram)
+    if not total:
+        return []
+    # histogram[j] = verifies with exactly j drafts accepted; position k accepted in those with j > k.
+    return [sum(histogram[k + 1:]) / total for k in range(len(histogram) - 1)]
+
+
+def _verify_seconds(result: BenchResult) -> float | None:
+    verifies = sum(r.spec_verify_ct for r in result.runs)
+    decode = sum(sum(req.itl_s) for r in result.runs for req in r.requests)
+    return decode / verifies if verifies else None
+
+
+def bench_one(cfg, ctx, handle: ServerHandle, endpoint: str, prompts: list) -> list[dict]:
+    """Every concurrency level against one live server; the server log's decode lines summarised."""
+    executor = executor_of(ctx.run_dir, handle)
+    rows = []
+    for concurrency in cfg.bench.concurrency:
+        result = measure(cfg, handle, endpoint, prompts, concurrency)
+        decode_log = summarize_decode_log(log_tail(executor, handle, lines=5000))
+        row = setting_row(handle.label, handle, result, decode_log, concurrency)
+        for line in row["disagreements"]:
+            logger().warning(f"{handle.label}: client and server disagree: {line}")
+        logger().info(f"{handle.label} (concurrency {concurrency}): {row['tok_s_median']:.1f} tok/s median, "
+                      f"accept length {row['accept_length'] or '-'}")
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ settings
+
+
+def sweep_settings(cfg: ExperimentConfig) -> list[SpeculativeConfig]:
+    """The sweep grid; rewrites are allowed there (the run is labelled with the effective values)."""
+    return [s.model_copy(update={"allow_adjustments": True}) for s in cfg.bench.sweep]
+
+
+def launch_setting(cfg, ctx, placement: Placement, spec: SpeculativeConfig | None, draft_dir: Path,
+                   target_config: dict, done: set[str]) -> ServerHandle | None:
+    """Preflight + launch one setting; None when its effective values were measured already."""
+    if spec is None:
+        return launch(cfg, placement, ctx.run_dir, label="baseline", spec=None, predicted=None)
+    findings, predicted = preflight(cfg, spec, draft_dir, target_config, placement.model_path)
+    label = f"speculative {setting_label(predicted)}"
+    if label in done:
+        logger().info(f"sweep {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}: runs as {label}, "
+                      "measured already; skipped")
+        return None
+    report_findings(findings, f"{label}: preflight failed")
+    return launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
+
+
+# ------------------------------------------------------------------ offline figures
+
+
+def offline_figures(ctx: StageContext, rows: list[dict], prompt_ids, target_dir: Path | None, draft_dir: Path,
+                    cfg: ExperimentConfig) -> dict[str, Any]:
+    """Training's simulated accept length (per setting depth) and the reference decoder's, same prompts."""
+    trained = ctx.upstream.get("train_draft", {})
+    acc = trained.get("acc") or []
+    figures: dict[str, Any] = {"simulated_accept_length": trained.get("simulated_accept_length"), "acc": acc,
+                               "per_setting": {}}
+    for row in rows:
+        if row["speculative"] and acc:
+            figures["per_setting"][row["setting"]] = {
+                "expected_accept_length": expected_accept_length(acc, row["effective"]["num_steps"])}
+    if cfg.bench.offline_reference and target_dir is not None and isinstance(prompt_ids[0], list):
+        for row in rows:
+            if row["speculative"] and row["concurrency"] == cfg.bench.concurrency[0]:
+                figures["per_setting"].setdefault(row["setting"], {})["reference_decoder_accept_length"] = \
+                    reference_accept_length(target_dir, draft_dir, prompt_ids, row["effective"], cfg.bench.max_new_tokens)
+    return figures
+
+
+def reference_accept_length(target_dir: Path, draft_dir: Path, prompt_ids: list[list[int]], effective: dict,
+                            max_new_tokens: int) -> float:
+    """Accept length of eagle3.decoding (SGLang's loop, in-process) on the same prompts, greedy."""
+    from eagle3.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel
+    from eagle3.serve import load_eagle3_drafter
+    from eagle3.tiny_target import load_target
+
+    model, _ = load_target(target_dir, "float32", "cpu")
+    drafter = load_eagle3_drafter(draft_dir, model)
+    spec = SpecConfig(effective["num_steps"], effective["eagle_topk"], effective["num_draft_tokens"])
+    engine = SpeculativeEngine(TargetModel(model, drafter.aux_hidden_indices), drafter, spec)
+    tokens = verifies = 0
+    for ids in prompt_ids:
+        result = engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+        tokens += len(result.output_ids)
+        verifies += result.stats.verify_ct
+    return tokens / verifies if verifies else 0.0
+
+
+# ------------------------------------------------------------------ the stage
+
+
+@task(name="run_benchmark", cache_policy=NO_CACHE)
+def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    deployed = ctx.upstream["deploy_server"]
+    exported = ctx.upstream.get("export_checkpoint", {}).get("outputs", {})
+    draft_dir = Path(exported["sglang_dir"])
+    target_dir = Path(exported["target_dir"]) if exported.get("target_dir") else None
+    samples = ctx.upstream.get("generate_data", {}).get("outputs", {}).get("samples")
+    conversations = bench_prompts(cfg, Path(samples) if samples else None)
+    endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir and target_dir.is_dir() else None)
+    spec_handle = _deployed_handle(ctx, deployed)
+    placement = _placement_of(ctx, deployed, spec_handle)
+    target_config = json.loads((target_dir / "config.json").read_text()) if target_dir else {}
+
+    rows = bench_one(cfg, ctx, spec_handle, endpoint, prompts)  # 1. the deployed setting
+    stop(ctx.run_dir, spec_handle)
+    done = {spec_handle.label}
+    for spec in [None, *sweep_settings(cfg)]:  # 2. the baseline, 3. each sweep setting, one server at a time
+        handle = launch_setting(cfg, ctx, placement, spec, draft_dir, target_config, done)
+        if handle is None:
+            continue
+        try:
+            rows += bench_one(cfg, ctx, handle, endpoint, prompts)
+        finally:
+            stop(ctx.run_dir, handle)
+        done.add(handle.label)
+    offline = offline_figures(ctx, rows, prompts, target_dir, draft_dir, cfg)
+    verdict = diagnose(cfg, rows, offline, deployed, draft_dir, target_config, data=ctx.upstream.get("generate_data"),
+                       served_template_sha=_template_sha(target_dir))
+    log_bench_report(ctx, cfg, rows, offline, verdict)
+    return {"rows": [_without_ids(r) for r in rows], "offline": offline, "verdict": verdict,
+            "metrics": headline_metrics(rows, offline, verdict), "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
+
+
+def _deployed_handle(ctx: StageContext, deployed: dict) -> ServerHandle:
+    pid = deployed["server"]["pid"]
+    for handle in live_handles(ctx.run_dir):
+        if handle.pid == pid:
+            return handle
+    raise RuntimeError(f"the server deploy_server started (pid {pid}) is not reachable from this process; "
+                       "run deploy_server and run_benchmark in one flow run")
+
+
+def _placement_of(ctx: StageContext, deployed: dict, handle: ServerHandle) -> Placement:
+    where = deployed["placement"]
+    return Placement(executor_of(ctx.run_dir, handle), None, where["workdir"], where["model_path"], where["draft_path"])
+
+
+def _template_sha(target_dir: Path | None) -> str | None:
+    if target_dir is None or not (target_dir / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    from eagle3.chat import chat_template_sha256
+
+    return chat_template_sha256(AutoTokenizer.from_pretrained(target_dir))
+
+
+def _without_ids(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "output_ids"}
+
+
+def headline_metrics(rows: list[dict], offline: dict, verdict: dict) -> dict[str, float]:
+    """Baseline and best tok/s, speedup, online/offline accept length: the numbers a reader wants first."""
+    first = [r for r in rows if r["concurrency"] == rows[0]["concurrency"]]
+    baseline = next((r for r in first if not r["speculative"]), None)
+    best = verdict.get("best") or {}
+    metrics = {"baseline_tok_s": baseline["tok_s_median"] if baseline else None,
+               "best_tok_s": best.get("tok_s_median"), "speedup": best.get("speedup"),
+               "accept_length_online": best.get("accept_length"),
+               "accept_length_offline": offline.get("simulated_accept_length"),
+               "alarms": float(len(verdict.get("causes", [])))}
+    return {k: float(v) for k, v in metrics.items() if v is not None}
+
+
+def as_json(data: Any) -> str:
+    return json.dumps(data, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
