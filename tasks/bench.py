@@ -152,7 +152,7 @@ def launch_setting(cfg, ctx, placement: Placement, spec: SpeculativeConfig | Non
         logger().info(f"sweep {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}: runs as {label}, "
                       "measured already; skipped")
         return None
-    report_findings(findings, f"{label}: preflight failed")
+    report_findings(findings, f"{label}: preflight failed", cfg.deploy.preflight == "enforce")
     return launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
 
 

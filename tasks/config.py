@@ -96,6 +96,10 @@ class DeployConfig(StrictModel):
     env: dict[str, str] = Field(default_factory=dict, description="Environment for the server process.")
     startup_timeout_s: float = Field(900.0, gt=0, le=7200, description="Seconds to wait for /health.")
     baseline: bool = Field(True, description="Also serve without speculation to measure the baseline.")
+    preflight: Literal["enforce", "warn"] = Field(
+        "enforce", description="`enforce`: a failed preflight check stops the deploy; `warn`: log it and launch "
+        "anyway (to reproduce a failure on purpose; the benchmark's diagnosis still names it)."
+    )
 
 
 class BenchConfig(StrictModel):

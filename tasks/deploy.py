@@ -155,13 +155,15 @@ def preflight(cfg: ExperimentConfig, spec: SpeculativeConfig, draft_dir: Path, t
     return findings, effective_settings(spec, resolution) | {"max_running_requests": resolution.max_running_requests}
 
 
-def report_findings(findings: list[Finding], what: str) -> None:
-    """Log each finding; raise with every error's one-line reason."""
+def report_findings(findings: list[Finding], what: str, enforce: bool = True) -> None:
+    """Log each finding; raise with every error's one-line reason (only log them when not enforced)."""
     for f in findings:
         {"error": logger().error, "warning": logger().warning}.get(f.level, logger().info)(f"preflight {f.line()}")
     errors = [f for f in findings if f.level == "error"]
-    if errors:
+    if errors and enforce:
         raise PreflightFailed(f"{what}: " + "; ".join(f.line() for f in errors))
+    if errors:
+        logger().warning(f"{what}, launching anyway (deploy.preflight: warn)")
 
 
 # ------------------------------------------------------------------ placement
@@ -433,15 +435,17 @@ def draft_dtype_served(draft_dir: Path, server_dtype: str = "auto") -> str:
 
 
 def prepare_and_launch(cfg: ExperimentConfig, ctx: StageContext, spec: SpeculativeConfig, label: str,
-                       placement: Placement, target_config: dict, draft_dir: Path) -> ServerHandle:
+                       placement: Placement, target_config: dict, draft_dir: Path,
+                       already_checked: bool = False) -> ServerHandle:
     """Preflight one speculative setting on a placed draft, dry-run it where SGLang is, launch it."""
     findings, predicted = preflight(cfg, spec, draft_dir, target_config, placement.model_path)
-    report_findings(findings, f"{label}: preflight failed")
+    if not already_checked:
+        report_findings(findings, f"{label}: preflight failed", cfg.deploy.preflight == "enforce")
     if cfg.deploy.server == "sglang":
         args = launch_args(cfg, model_path=placement.model_path, draft_path=placement.draft_path,
                            port=cfg.deploy.port, spec=spec)
         report_findings(dry_run_findings(sglang_dry_run(placement.executor, args), predicted),
-                        f"{label}: SGLang's dry run disagrees")
+                        f"{label}: SGLang's dry run disagrees", cfg.deploy.preflight == "enforce")
     return launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
 
 
@@ -459,10 +463,10 @@ def deploy_server(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     model_path = cfg.deploy.model_path or (str(target_dir) if local_target else cfg.target.model_path)
     target_config = target_config_on_host(cfg, executor, model_path, local_target)
     findings, predicted = preflight(cfg, cfg.deploy.speculative, draft_dir, target_config, model_path)
-    report_findings(findings, "preflight failed")  # before anything is uploaded
+    report_findings(findings, "preflight failed", cfg.deploy.preflight == "enforce")  # before anything is uploaded
     placement = place(cfg, executor, ctx, draft_dir, target_dir)
     handle = prepare_and_launch(cfg, ctx, cfg.deploy.speculative, f"speculative {setting_label(predicted)}",
-                                placement, target_config, draft_dir)
+                                placement, target_config, draft_dir, already_checked=True)
     served_dtype = draft_dtype_served(draft_dir)
     _log_to_mlflow(ctx, handle, findings, predicted, served_dtype, environment)
     summary = {"server": handle.to_dict(), "asked": handle.asked, "effective": predicted,
