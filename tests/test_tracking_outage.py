@@ -246,3 +246,31 @@ def test_mlflow_retries_are_bounded():
     for key, value in HTTP_RETRY_DEFAULTS.items():
         assert os.environ[key] == value
     assert int(HTTP_RETRY_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) <= 3
+
+
+def test_resume_syncs_the_journal_first_and_continues_the_same_parent(prefect_harness, mlflow_server, tmp_path):
+    """`eagleops run --run-dir` after an outage: the journal is replayed before anything else, and
+    the resumed run reopens the parent that the replay created (not a second parent)."""
+    mlflow_server.stop()
+    config = write_config(tmp_path, "outage-resume", mlflow_server.uri)
+    first = eagle3_experiment(str(config), stages=["check_environment"])
+    run_dir = Path(first["run_dir"])
+    placeholder = first["mlflow_run_id"]
+    assert placeholder.startswith("offline-")
+
+    mlflow_server.start()
+    second = eagle3_experiment(str(config), stages=["check_environment"], run_dir=str(run_dir))
+    client = MlflowClient(mlflow_server.uri)
+    parent = client.get_run(second["mlflow_run_id"])
+    assert parent.data.tags["eagleops.offline_id"] == placeholder
+    assert parent.info.status == "FINISHED"
+    manifest = manifest_of(run_dir)
+    assert manifest["mlflow"]["parent_run_id"] == parent.info.run_id
+    assert len(manifest["prefect_flow_run_ids"]) == 2
+    # Both attempts of the environment stage (one journaled, one online) are runs under that parent.
+    attempts = manifest["stages"]["check_environment"]["attempts"]
+    assert len(attempts) == 2
+    for attempt in attempts:
+        assert client.get_run(attempt["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == parent.info.run_id
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["done"] == len((run_dir / JOURNAL_FILE).read_text().splitlines())
