@@ -17,6 +17,7 @@ state write replays that one entry again; see `sync_journal` for why that is har
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import uuid
@@ -89,12 +90,16 @@ class Journal:
         return folder
 
     def keep_copy(self, source: Path) -> str:
-        """Copy a file or directory into the journal; returns its path relative to the run folder."""
+        """Keep a file or directory as it is now; returns its path relative to the run folder.
+
+        Hard links where the filesystem allows (a multi-GB checkpoint is not stored twice; a file
+        later replaced by rename keeps its old content in the journal), else a copy.
+        """
         target = self.new_files_dir() / source.name
         if source.is_dir():
-            shutil.copytree(source, target)
+            shutil.copytree(source, target, copy_function=_link_or_copy)
         else:
-            shutil.copy2(source, target)
+            _link_or_copy(str(source), str(target))
         return str(target.relative_to(self.run_dir))
 
     def resolve(self, relative: str) -> Path:
@@ -120,6 +125,14 @@ class Journal:
 
     def pending(self) -> int:
         return max(0, len(self.entries()) - self.load_state().done)
+
+
+def _link_or_copy(source: str, target: str) -> str:
+    try:
+        os.link(source, target)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(source, target)
+    return target
 
 
 def replace_ids(data: Any, ids: dict[str, str]) -> Any:

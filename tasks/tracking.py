@@ -19,7 +19,8 @@ appended to the journal; runs created meanwhile get `offline-<uuid>` ids. `sync_
 the journal in order. MLflow's own HTTP retries are bounded below (its defaults spend ~265 s
 on a refused connection before raising). Redaction (`tasks.secrets`) is applied before every
 write, online or journaled. Risk: a write path that calls `MlflowClient` directly instead of
-going through `RunLogger` fails the run in an outage (`tasks.export.register_checkpoint` does).
+going through `RunLogger` fails the run in an outage (`tasks.export.register_checkpoint` does;
+`RunLogger.register_version` is the journaled equivalent).
 """
 
 from __future__ import annotations
@@ -328,6 +329,19 @@ class RunLogger:
         if not self._try_online(lambda c: c.log_figure(self.run_id, figure, artifact_file)):
             self._journal_file(artifact_file, figure.savefig)
 
+    def register_version(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
+        """Register `<this run's artifacts>/<artifact_path>` as a new version of model `name`.
+
+        Returns the version, or None when the call was journaled (the version number is known
+        only once `sync_journal` registers it).
+        """
+        args = {"name": name, "artifact_path": artifact_path, "tags": {k: redact(str(v)) for k, v in (tags or {}).items()}}
+        versions: list[str] = []
+        if self._try_online(lambda c: versions.append(_register_version(c, self.run_id, args))):
+            return versions[0]
+        Journal(self.journal).append("register_version", self.run_id, _now_ms(), args)
+        return None
+
     def finish(self, status: str) -> None:
         self._write("set_terminated", {"status": status, "end_time": _now_ms()})
 
@@ -367,6 +381,8 @@ def apply_op(client: MlflowClient, op: str, run_id: str, args: dict[str, Any]) -
         client.set_terminated(run_id, status=args["status"], end_time=args["end_time"])
     elif op == "log_artifact":
         _upload(client, run_id, Path(args["path"]), args.get("artifact_path"))
+    elif op == "register_version":
+        _register_version(client, run_id, args)
     else:
         raise ValueError(f"unknown MLflow journal op '{op}'")
 
@@ -376,6 +392,16 @@ def _upload(client: MlflowClient, run_id: str, path: Path, artifact_path: str | 
         client.log_artifacts(run_id, str(path), artifact_path)
     else:
         client.log_artifact(run_id, str(path), artifact_path)
+
+
+def _register_version(client: MlflowClient, run_id: str, args: dict[str, Any]) -> str:
+    try:
+        client.create_registered_model(args["name"])
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri}/{args['artifact_path']}"
+    return client.create_model_version(args["name"], source=source, run_id=run_id, tags=args["tags"]).version
 
 
 def _write_dict(data: Any, path: Path) -> None:

@@ -274,3 +274,34 @@ def test_resume_syncs_the_journal_first_and_continues_the_same_parent(prefect_ha
         assert client.get_run(attempt["mlflow_run_id"]).data.tags["mlflow.parentRunId"] == parent.info.run_id
     state = json.loads((run_dir / STATE_FILE).read_text())
     assert state["done"] == len((run_dir / JOURNAL_FILE).read_text().splitlines())
+
+
+def test_offline_artifacts_and_model_version_replay_later(mlflow_server, tmp_path):
+    """Journaled writes keep the file as it was when logged and replay into a server given at sync time."""
+    from mlflow_server import free_port
+
+    from tasks.tracking import create_run, sync_journal
+
+    mlflow_server.start()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "manifest.json").write_text("{}")
+    journal = journal_path(run_dir)
+    dead_uri = f"http://127.0.0.1:{free_port()}"
+    assert not check_tracking_server(dead_uri, journal)
+    parent = create_run(dead_uri, journal, "offline-parent", {"eagleops.kind": "experiment"}, experiment="outage-unit")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"v": 1}')
+    parent.log_artifact(checkpoint, "checkpoint/sglang")
+    assert parent.register_version("outage-unit-draft", "checkpoint/sglang", {"format": "sglang"}) is None
+    (checkpoint / "config.json").unlink()  # the stage cleans up; the journal still holds the file
+
+    result = sync_journal(run_dir, mlflow_server.uri)
+    assert result.refused == []
+    client = MlflowClient(mlflow_server.uri)
+    real_id = result.created[parent.run_id]
+    assert artifact_paths(client, real_id) == {"checkpoint/sglang/config.json"}
+    (version,) = client.search_model_versions("name = 'outage-unit-draft'")
+    assert version.run_id == real_id and version.tags["format"] == "sglang"
+    assert version.source.endswith("/checkpoint/sglang")
