@@ -228,6 +228,46 @@ def runs(
     out.print(table)
 
 
+@app.command()
+def sync(
+    run_dir: Path = typer.Argument(..., help="Run directory whose MLflow journal (mlflow-journal.jsonl) to upload."),
+    tracking_uri: Optional[str] = typer.Option(
+        None, help="MLflow URI to upload to; default: the one the run folder's manifest records."),
+) -> None:
+    """Upload what a run recorded while its MLflow server was unreachable (runs, params, metrics, tags,
+    artifacts, statuses), in order; placeholder run ids in the manifest become the real ones.
+    A second sync uploads nothing. Exit 1 when the server does not answer or refused entries."""
+    from tasks.rundir import MANIFEST
+    from tasks.tracking import TrackingUnavailable, sync_journal
+
+    manifest_path = run_dir / MANIFEST
+    if not manifest_path.is_file():
+        err.print(f"[red]error[/red] {run_dir} is not a run directory (no {MANIFEST})")
+        raise typer.Exit(BAD_INPUT)
+    uri = tracking_uri or json.loads(manifest_path.read_text()).get("mlflow", {}).get("tracking_uri")
+    if not uri:
+        err.print(f"[red]error[/red] {manifest_path} records no MLflow tracking URI: pass --tracking-uri")
+        raise typer.Exit(BAD_INPUT)
+    try:
+        result = sync_journal(run_dir, uri)
+    except TrackingUnavailable as error:
+        err.print(f"[red]error[/red] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(STAGE_FAILED)
+    except ValueError as error:  # an unreadable journal or state file
+        err.print(f"[red]error[/red] {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(BAD_INPUT)
+    for refused in result.refused:
+        err.print(f"[yellow]refused[/yellow] entry {refused['entry']} ({refused['op']}, run {refused['run']}): "
+                  f"{refused['error']}", highlight=False, soft_wrap=True)
+    if not result.replayed:
+        out.print(f"nothing to sync in {run_dir} ({result.already_done} entries synced earlier)", highlight=False)
+        return
+    out.print(f"synced {result.replayed} MLflow calls of {run_dir}: {len(result.created)} runs created "
+              f"({', '.join(f'{k} -> {v}' for k, v in result.created.items()) or 'none'})", highlight=False, soft_wrap=True)
+    if result.refused:
+        raise typer.Exit(STAGE_FAILED)
+
+
 def _headline(metrics: dict[str, float]) -> dict[str, float]:
     """Metrics worth a glance first: accept lengths and throughput, then wall times."""
     keys = sorted(metrics, key=lambda k: (not any(w in k for w in ("accept", "tok_s", "speedup")), k))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlflow.exceptions import MlflowException
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -20,20 +19,6 @@ from eagle3.export import export_checkpoint as run_export
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
-from tasks.tracking import RunLogger
-
-
-def register_checkpoint(run: RunLogger, name: str, artifact_path: str) -> str:
-    """Register `<run artifacts>/<artifact_path>` as a new version of `name`; returns the version."""
-    client = run.client
-    try:
-        client.create_registered_model(name)
-    except MlflowException as err:
-        if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
-            raise
-    source = f"{client.get_run(run.run_id).info.artifact_uri}/{artifact_path}"
-    version = client.create_model_version(name, source=source, run_id=run.run_id, tags={"format": "sglang"})
-    return version.version
 
 
 @task(name="export_checkpoint", cache_policy=NO_CACHE)
@@ -54,8 +39,9 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     ctx.mlflow.log_dict(result["validation"], "checkpoint/validation.json")
     outputs = {f"{fmt}_dir": path for fmt, path in result["formats"].items()} | {"target_dir": str(target_dir)}
     if cfg.export.registered_model and "sglang" in result["formats"]:
-        version = register_checkpoint(ctx.mlflow, cfg.export.registered_model, "checkpoint/sglang")
-        logger().info(f"registered {cfg.export.registered_model} version {version}")
-        outputs["registered_model_version"] = f"{cfg.export.registered_model}/{version}"
+        version = ctx.mlflow.register_version(cfg.export.registered_model, "checkpoint/sglang", {"format": "sglang"})
+        shown = version or "pending (MLflow is unreachable: registered by `eagleops sync`)"
+        logger().info(f"registered {cfg.export.registered_model} version {shown}")
+        outputs["registered_model_version"] = f"{cfg.export.registered_model}/{shown}"
     digest = digest_json([digest_paths(result["formats"].values()), str(target_dir.resolve())])
     return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs, "output_digest": digest}

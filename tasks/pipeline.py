@@ -29,10 +29,12 @@ from prefect.exceptions import MissingContextError
 
 from eagle3.train import RESUMABLE_FIELDS
 from tasks.config import ExperimentConfig, config_hash, flatten, masked_dict, masked_yaml, secret_values
+from tasks.mlflow_journal import journal_path
 from tasks.rundir import RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
 from tasks.secrets import install_log_redaction, redact, register_secrets
 from tasks.tracking import (
-    RunLogger, eagleops_version, git_commit, mark_run, reopen_run, start_child_run, start_parent_run, tracking_uri_for,
+    RunLogger, run_tags, eagleops_version, git_commit, mark_run, reopen_run, start_child_run, start_parent_run,
+    sync_before_resume, tracking_uri_for,
 )
 
 
@@ -202,6 +204,7 @@ class Pipeline:
         if run_dir is None:
             run = RunDirectory.create(self.cfg.runs_root, self.cfg.experiment, header)
         else:
+            sync_before_resume(run_dir, tracking_uri_for(self.cfg))  # what an earlier offline run journaled
             run = RunDirectory.open(run_dir)
             if run.manifest.get("experiment") != self.cfg.experiment:
                 raise ValueError(
@@ -220,14 +223,16 @@ class Pipeline:
             "eagleops.config_hash": config_hash(self.cfg),
             "eagleops.version": self.version,
             "eagleops.run_dir": str(self.run.path),
+            **run_tags(self.cfg),
         }
         previous = self.run.manifest.get("mlflow", {})
         same_config = previous.get("config_hash") == config_hash(self.cfg)
         if previous.get("parent_run_id") and same_config and previous.get("tracking_uri") == tracking_uri_for(self.cfg):
-            parent = reopen_run(previous["tracking_uri"], previous["parent_run_id"])
+            parent = reopen_run(previous["tracking_uri"], previous["parent_run_id"], journal_path(self.run.path))
             parent.set_tags({"prefect.flow_run_id": flow_run_id})
         else:
-            parent = start_parent_run(self.cfg, f"{self.cfg.experiment}-{self.run.run_id}", tags, config_path)
+            parent = start_parent_run(self.cfg, f"{self.cfg.experiment}-{self.run.run_id}", tags, config_path,
+                                      journal_path(self.run.path))
             if previous.get("parent_run_id"):
                 parent.set_tags({"eagleops.resumed_from": previous["parent_run_id"]})
         flow_runs = self.run.manifest.get("prefect_flow_run_ids", []) + [flow_run_id]
@@ -244,7 +249,7 @@ class Pipeline:
             logger().warning(f"{name}: attempt {attempt['attempt']} was interrupted (its process died); "
                              "it resumes in place if its inputs are unchanged")
             if attempt.get("mlflow_run_id"):
-                mark_run(self.parent.tracking_uri, attempt["mlflow_run_id"], "KILLED")
+                mark_run(self.parent.tracking_uri, attempt["mlflow_run_id"], "KILLED", self.parent.journal)
             self.run.update_attempt(name, attempt, status="interrupted", error="the process running it died")
 
     # ------------------------------------------------------------------ selection

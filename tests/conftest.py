@@ -1,8 +1,8 @@
 """Session-wide test environment: telemetry off, Prefect home and MLflow stores in tmp dirs.
 
 The Prefect test harness (a real Prefect API server on a free port, ~20 s to start on two
-cores) is session-scoped and started only by tests that ask for `prefect_harness`; so is the
-private OpenSSH server (`sshd`, see tests/sshd.py).
+cores), a real MLflow server (`mlflow_server`, tests/mlflow_server.py) and a private OpenSSH
+server (`sshd`, tests/sshd.py) are session-scoped and started only by tests that ask for them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (sqlite in tmp), started once; tests may stop/start it."""
+    from tests.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
