@@ -274,5 +274,100 @@ def _headline(metrics: dict[str, float]) -> dict[str, float]:
     return {k: metrics[k] for k in keys}
 
 
+hosts_app = typer.Typer(no_args_is_help=True, help="The SSH inventory of a config.")
+app.add_typer(hosts_app, name="hosts")
+
+
+@hosts_app.command("trust")
+def hosts_trust(
+    name: str = typer.Argument(..., help="hosts[].name in the config."),
+    config: Path = typer.Option(..., "--config", "-c", help="Experiment YAML whose hosts list has NAME."),
+    yes: bool = typer.Option(False, "--yes", help="Record the key without asking (after checking it elsewhere)."),
+) -> None:
+    """Show the host key NAME presents now and record it in its known_hosts after you confirm it."""
+    from tasks.remote import RemoteError, host_key_fingerprint, trust_host
+
+    try:
+        cfg = load_experiment(config)
+    except ConfigError as error:
+        _fail_config(error)
+    host = next((h for h in cfg.hosts if h.name == name), None)
+    if host is None:
+        err.print(f"[red]error[/red] {config}: no hosts[] entry named {name!r} ({[h.name for h in cfg.hosts]})")
+        raise typer.Exit(BAD_INPUT)
+    try:
+        key_type, fingerprint = host_key_fingerprint(host, cfg.hosts)
+        out.print(f"{name} ({host.address}:{host.port}) presents {key_type} {fingerprint}", highlight=False)
+        if not yes and not typer.confirm("Is this the host's key (compare it with the host's own ssh-keygen -lf)?"):
+            raise typer.Exit(BAD_INPUT)
+        out.print(trust_host(host, cfg.hosts), highlight=False)
+    except RemoteError as error:
+        err.print(f"[red]error[/red] {error}", highlight=False)
+        raise typer.Exit(STAGE_FAILED)
+
+
+@app.command()
+def teardown(run_dir: Path = typer.Argument(..., help="Run folder whose servers to stop.")) -> None:
+    """Stop every server a run started that is still recorded as running (servers.json), by hand."""
+    from tasks.deploy import teardown_run
+
+    manifest = run_dir / "manifest.json"
+    if not manifest.is_file():
+        err.print(f"[red]error[/red] {run_dir}: not a run directory (no manifest.json)")
+        raise typer.Exit(BAD_INPUT)
+    config_path = json.loads(manifest.read_text()).get("config_path")
+    cfg = None
+    if config_path and Path(config_path).is_file():
+        try:
+            cfg = load_experiment(config_path)
+        except ConfigError:
+            cfg = None  # local servers can still be stopped; SSH hosts need the inventory
+    stopped = teardown_run(run_dir, cfg)
+    out.print("\n".join(f"stopped {s}" for s in stopped) or "no running server recorded for this run")
+
+
+COMPARE_METRICS = ("run_benchmark.baseline_tok_s", "run_benchmark.best_tok_s", "run_benchmark.speedup",
+                   "run_benchmark.accept_length_online", "run_benchmark.accept_length_offline",
+                   "train_draft.simulated_accept_length", "train_draft.steps", "generate_data.num_samples")
+
+
+@app.command()
+def compare(
+    runs: list[str] = typer.Argument(..., help="Run folders or MLflow parent run ids."),
+    tracking_uri: Optional[str] = typer.Option(None, help="MLflow URI when giving run ids; default the run folder's."),
+) -> None:
+    """Print runs side by side from MLflow: their speculative setting, training and benchmark figures."""
+    from mlflow.tracking import MlflowClient
+
+    resolved = [_parent_of(r, tracking_uri) for r in runs]
+    table = Table(title="eagleops compare")
+    table.add_column("")
+    for uri, run_id in resolved:
+        table.add_column(MlflowClient(uri).get_run(run_id).info.run_name)
+    fetched = [MlflowClient(uri).get_run(run_id) for uri, run_id in resolved]
+    rows = [("status", [r.info.status for r in fetched]),
+            ("speculative", [r.data.tags.get("eagleops.speculative", "-") for r in fetched]),
+            ("target", [r.data.tags.get("eagleops.target", "-") for r in fetched]),
+            ("train.lr", [r.data.params.get("train.lr", "-") for r in fetched])]
+    rows += [(m, [_fmt_metric(r.data.metrics.get(m)) for r in fetched]) for m in COMPARE_METRICS]
+    for label, values in rows:
+        table.add_row(label, *values)
+    out.print(table)
+
+
+def _parent_of(run: str, tracking_uri: str | None) -> tuple[str, str]:
+    manifest = Path(run) / "manifest.json"
+    if manifest.is_file():
+        recorded = json.loads(manifest.read_text()).get("mlflow", {})
+        return tracking_uri or recorded["tracking_uri"], recorded["parent_run_id"]
+    from tasks.tracking import default_tracking_uri
+
+    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs"), run
+
+
+def _fmt_metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 if __name__ == "__main__":
     app()
