@@ -48,6 +48,13 @@ from tasks.config import HostConfig
 
 FAST_CIPHER = "aes128-gcm@openssh.com"
 KEEPALIVE_S = 30
+# paramiko starts a rekey itself after 512 MiB. If the server closes a channel just then (as
+# it does when `cat` ends an upload), paramiko's transport thread blocks on its own rekey and
+# the connection dies after 30 s (paramiko #822, open; seen here at the end of a 1 GiB
+# upload). OpenSSH servers rekey on their own (sshd_config RekeyLimit: "between 1G and 4G,
+# depending on the cipher"), a server-started rekey does not hit that bug, so paramiko's own
+# threshold is set far above the server's.
+CLIENT_REKEY_BYTES = 2**37
 TAIL_LINES = 20
 # `timeout -k`: seconds between SIGTERM and SIGKILL for a command that overran its timeout.
 KILL_AFTER_S = 5
@@ -747,6 +754,7 @@ def _fast_transport(sock, **kwargs) -> paramiko.Transport:
     transport = paramiko.Transport(sock, **kwargs)
     options = transport.get_security_options()
     options.ciphers = (FAST_CIPHER, *(c for c in options.ciphers if c != FAST_CIPHER))
+    transport.packetizer.REKEY_BYTES = CLIENT_REKEY_BYTES
     return transport
 
 

@@ -66,7 +66,7 @@ def upload_with_scp_then_verify(server: SshdServer, src: Path, dest: str) -> Non
 def upload_with_executor(server: SshdServer, src: Path, dest: str) -> dict:
     with connect(server.host_config()) as executor:
         result = executor.upload_file(src, dest)
-    return {"transfer_s": result.transfer_seconds, "verify_s": result.verify_seconds}
+    return {"transfer_s": result.transfer_seconds, "verify_s": result.verify_seconds, "sent": result.bytes_sent}
 
 
 def upload_with_sftp_put(server: SshdServer, src: Path, dest: str) -> None:
@@ -139,7 +139,7 @@ def report(results: dict[str, list[dict]], size: int) -> str:
         lines.append(f"| {name} | {median:.0f} | {min(rates):.0f}-{max(rates):.0f} | {median / scp_mbps:.2f} | "
                      f"{client:.1f} / {server:.1f} | {loads} |")
         if "transfer_s" in runs[0]:
-            transfer = [size / 1e6 / r["transfer_s"] for r in runs]
+            transfer = [r["sent"] / 1e6 / r["transfer_s"] for r in runs]
             verify = statistics.median(r["verify_s"] for r in runs)
             lines.append(f"| ... its streaming phase alone (verify + rename: median {verify:.1f} s) | "
                          f"{statistics.median(transfer):.0f} | {min(transfer):.0f}-{max(transfer):.0f} | "

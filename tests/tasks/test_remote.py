@@ -393,7 +393,23 @@ def test_cipher_falls_back_when_the_server_refuses_gcm(tmp_path):
         server.stop()
 
 
-def test_unknown_host_key_is_rejected_with_its_fingerprint(sshd, tmp_path):
+def test_uploads_survive_server_rekeys(tmp_path):
+    # sshd renegotiates keys every 256 KiB here: many rekeys land mid-stream and around channel
+    # closes. Only the server starts them (paramiko's own rekey would hit paramiko #822).
+    server = start_sshd(tmp_path / "sshd", extra_config=["RekeyLimit 256K"])
+    try:
+        src = random_file(tmp_path / "big.bin", SIZE)
+        with connect(server.host_config()) as ex:
+            assert ex._client.get_transport().packetizer.REKEY_BYTES > 2**36
+            for name in ("a.bin", "b.bin"):
+                result = ex.upload_file(src, str(tmp_path / name))
+                assert result.resumed_from == 0 and sha256(tmp_path / name) == sha256(src)
+    finally:
+        server.stop()
+
+
+def test_unknown_host_key_is_rejected_with_its_fingerprint(sshd, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="eagleops.remote")
     empty = tmp_path / "known_hosts"
     empty.write_text("")
     with pytest.raises(HostKeyError) as caught:
@@ -401,6 +417,7 @@ def test_unknown_host_key_is_rejected_with_its_fingerprint(sshd, tmp_path):
     message = str(caught.value)
     assert _fingerprint_from_ssh_keygen(f"{sshd.host_key}.pub") in message
     assert str(empty) in message and "eagleops hosts trust testhost" in message
+    assert "retry" not in caplog.text  # a host-key refusal is final
 
 
 def test_changed_host_key_is_rejected_and_trust_host_replaces_it(sshd, tmp_path):
