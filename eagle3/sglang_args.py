@@ -36,7 +36,8 @@ MSG_DRAFT_TOKENS_ADJUSTED = (
 MSG_REJECTION_INFO = "Rejection sampling is enabled for speculative decoding (speculative_use_rejection_sampling=True)."
 MSG_WINDOW_NO_EFFECT = (
     "--speculative-draft-window-size has no effect with speculative_algorithm={algo} "
-    "(honored by Llama EAGLE-3 and DFLASH only)."
+    "(honored by DFLASH, Llama EAGLE-3, and the EAGLE/MTP/NEXTN draft-decode path on the "
+    "Triton/FlashInfer draft backends)."
 )
 MSG_ADAPTIVE_DISABLED = "speculative_adaptive disabled: {reason}. Falling back to static speculative params."
 MSG_TOKEN_MAP_IGNORED = (
@@ -292,7 +293,7 @@ def _handle_speculative_decoding(res: SpecResolution, ns: argparse.Namespace) ->
             raise _ResolutionFailure(
                 f"ValueError: --speculative-draft-window-size must be positive, got {ns.speculative_draft_window_size}."
             )
-        if algo not in ("EAGLE3", "DFLASH"):
+        if algo not in ("EAGLE", "EAGLE3", "DFLASH"):
             res.adjustments.append(("warning", MSG_WINDOW_NO_EFFECT.format(algo=algo)))
     if algo not in BUILTIN_ALGORITHMS and algo != "FROZEN_KV_MTP":
         raise _ResolutionFailure(f"ValueError: Unknown speculative algorithm name: {algo}")

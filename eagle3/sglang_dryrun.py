@@ -38,6 +38,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Sequence
@@ -82,28 +83,41 @@ def compare_dry_run(dry_json: dict, resolution: "SpecResolution") -> list[str]:
         resolution: eagleops' prediction for the same argv.
     Returns [] when they agree on success/failure (and the exception type), on every
     COMPARED_FIELDS value, and on the speculative log lines (eagleops' adjustments against
-    SGLang's captured lines from its speculative loggers). Runtime-only failures
-    (`resolution.runtime_errors`) are not compared: resolution cannot see them.
+    SGLang's captured lines from its speculative loggers). What SGLang only reports once the
+    worker starts (`resolution.runtime_errors`, the token-map warning) is not compared:
+    resolution cannot see it.
     """
-    if "ok" not in dry_json:
-        raise ValueError(f"dry_json: expected one dry-run object with an 'ok' key, found keys {sorted(dry_json)}")
+    if not isinstance(dry_json, dict) or "ok" not in dry_json:
+        found = sorted(dry_json) if isinstance(dry_json, dict) else type(dry_json).__name__
+        raise ValueError(f"dry_json: expected one dry-run object with an 'ok' key, found {found}")
     predicted_error = resolution.errors[0] if resolution.errors else None
     if not dry_json["ok"]:
         return _compare_failure(dry_json.get("error", ""), predicted_error)
     if predicted_error is not None:
         return [f"resolution: sglang succeeds, eagleops predicted failure {predicted_error!r}"]
+    # eagleops lists SGLang's worker-start warnings among the adjustments too; resolution
+    # cannot log those, so they are left out here. Imported here, not at module level, so
+    # that the script stays free of eagleops imports when piped to a remote python.
+    from eagle3.sglang_args import MSG_TOKEN_MAP_IGNORED
+
+    runtime_lines = (MSG_TOKEN_MAP_IGNORED,)  # eagle_worker_v2.py: EagleDraftWorker.init_token_map
+    predicted_lines = [(level, text) for level, text in resolution.adjustments if text not in runtime_lines]
     diffs = _compare_settings(dry_json.get("resolved", {}), resolution.resolved_settings())
-    diffs += _compare_log_lines(dry_json.get("warnings", []), resolution.adjustments)
+    diffs += _compare_log_lines(dry_json.get("warnings", []), predicted_lines)
     return diffs
 
 
 def _compare_failure(sglang_error: str, predicted_error: str | None) -> list[str]:
     if predicted_error is None:
         return [f"resolution: sglang fails with {sglang_error!r}, eagleops predicted success"]
-    sglang_type = sglang_error.split(":", 1)[0].strip()
-    if not predicted_error.startswith(sglang_type):
-        return [f"resolution error: sglang raises {sglang_error!r}, eagleops predicted {predicted_error!r}"]
-    return []
+    sglang_type, _, sglang_message = sglang_error.partition(":")
+    if sglang_type == "SystemExit" and predicted_error.startswith("error: "):
+        # Both are argparse's own error line: "sglang serve: error: X" against "error: X".
+        if sglang_message.strip().endswith(predicted_error):
+            return []
+    elif predicted_error.startswith(sglang_type.strip()):
+        return []
+    return [f"resolution error: sglang raises {sglang_error!r}, eagleops predicted {predicted_error!r}"]
 
 
 def _compare_settings(sglang: dict, predicted: dict) -> list[str]:
@@ -180,6 +194,9 @@ def resolve_with_sglang(argv: Sequence[str], full: bool = False) -> dict:
     sglang_logger = logging.getLogger("sglang")
     sglang_logger.addHandler(capture)
     stderr_buffer = io.StringIO()
+    # Resolution writes SGLANG_* variables into os.environ (e.g. SGLANG_USE_CUDA_IPC_TRANSPORT);
+    # the next argv of a batch must start from the same environment as a fresh launch.
+    environ_before = dict(os.environ)
     result: dict[str, Any] = {"argv": list(argv), "sglang_version": getattr(sglang, "__version__", None)}
     try:
         # argparse writes its usage error to stderr before exiting: keep that text. SGLang's
@@ -199,6 +216,8 @@ def resolve_with_sglang(argv: Sequence[str], full: bool = False) -> dict:
         result["traceback_tail"] = traceback.format_exc().strip().splitlines()[-6:]
     finally:
         sglang_logger.removeHandler(capture)
+        os.environ.clear()
+        os.environ.update(environ_before)
         sys.stderr.write(stderr_buffer.getvalue())
     result["warnings"] = capture.records
     return result
