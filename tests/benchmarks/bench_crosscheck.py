@@ -87,11 +87,13 @@ def free_port() -> int:
 
 
 def start_server(target: Path, draft: Path, spec: str, port: int, log: Path) -> subprocess.Popen:
-    steps, topk, draft_tokens = spec.split("/")
     argv = [sys.executable, "-m", "eagle3.serve", "--model-path", str(target), "--host", "127.0.0.1",
-            "--port", str(port), "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
-            "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
-            "--speculative-num-draft-tokens", draft_tokens, "--device", "cpu", "--max-running-requests", "4"]
+            "--port", str(port), "--device", "cpu", "--max-running-requests", "4"]
+    if spec != "none":
+        steps, topk, draft_tokens = spec.split("/")
+        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft),
+                 "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
+                 "--speculative-num-draft-tokens", draft_tokens]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -124,7 +126,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def bench_serving_argv(sglang_python: Path, port: int, target: Path, dataset: Path, result: Path,
-                       num_prompts: int, output_len: int, seed: int) -> list[str]:
+                       num_prompts: int, output_len: int, seed: int, chat_template: bool) -> list[str]:
     """The bench_serving command line; every flag here is needed to run it offline and measured."""
     return [str(sglang_python), "-m", "sglang.benchmark.serving", "--backend", "sglang",
             "--host", "127.0.0.1", "--port", str(port),
@@ -133,7 +135,8 @@ def bench_serving_argv(sglang_python: Path, port: int, target: Path, dataset: Pa
             "--num-prompts", str(num_prompts), "--sharegpt-output-len", str(output_len),
             "--max-concurrency", "1", "--request-rate", "inf", "--seed", str(seed),
             "--flush-cache",  # after the warmup request: the server's accept-length counters restart
-            "--disable-tqdm", "--output-file", str(result)]
+            "--disable-tqdm", "--output-file", str(result),
+            *(["--apply-chat-template"] if chat_template else [])]
 
 
 def run_bench_serving(argv: list[str], log: Path, timeout_s: int) -> dict:
@@ -156,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="python of a venv with sglang (infra/install-sglang-cpu.sh)")
     p.add_argument("--target", type=Path, default=None, help="HF target dir (default: a tiny random one)")
     p.add_argument("--draft", type=Path, default=None, help="SGLang-format EAGLE-3 draft dir (with --target)")
-    p.add_argument("--spec", default="3/1/4", help="steps/topk/draft tokens for the server")
+    p.add_argument("--spec", default="3/1/4", help="steps/topk/draft tokens for the server, or 'none' (plain)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="bench_serving wraps each prompt in the target's chat template (as the draft was trained)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--output-len", type=int, default=64, help="--sharegpt-output-len (>= 4)")
     p.add_argument("--seed", type=int, default=1)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server(target, draft, args.spec, port, work / "server.log")
     try:
         bench = bench_serving_argv(args.sglang_python, port, target, dataset, work / "bench_result.jsonl",
-                                   args.num_prompts, args.output_len, args.seed)
+                                   args.num_prompts, args.output_len, args.seed, args.apply_chat_template)
         print("$", shlex.join(bench), flush=True)
         result = run_bench_serving(bench, work / "bench_serving.log", timeout_s=1800)
     finally:
