@@ -87,12 +87,27 @@ CASES = [
      (3, 1, 4, 48)),
     ("disable-overlap", "llama", ["--disable-overlap-schedule"], (5, 4, 8, 48)),
     ("token-map", "llama", ["--speculative-token-map", "/nowhere/hot.pt"], (5, 4, 8, 48)),
+    ("block-verification-cpu", "llama", ["--device", "cpu", "--speculative-use-block-verification",
+                                         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                         "--speculative-num-draft-tokens", "4"], "ValueError"),
+    ("block-verification-standalone", "llama", ["--speculative-use-block-verification"], "ValueError"),
+    ("sink-without-window", "llama", ["--speculative-draft-sink-size", "4"], "ValueError"),
+    ("window-zero", "llama", ["--speculative-draft-window-size", "0"], "ValueError"),
+    ("unknown-algorithm", "llama", [], "ValueError"),
+    ("lower-case-algorithm", "llama", ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                       "--speculative-num-draft-tokens", "4"], (3, 1, 4, 48)),
+    ("adaptive-topk-4", "llama", ["--speculative-adaptive", "--speculative-num-steps", "3",
+                                  "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+     (3, 4, 8, 48)),
+    ("adaptive-steps-not-candidate", "llama", ["--speculative-adaptive", "--speculative-num-steps", "4"],
+     "ValueError"),
     ("page-tree-flashmla", "llama", ["--page-size", "16", "--attention-backend", "flashmla", "--speculative-num-steps",
                                      "3", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
      "ValueError"),
 ]
 ALGORITHM = {"nextn-alias": "NEXTN", "standalone-window": "STANDALONE", "standalone-mixed-chunk": "STANDALONE",
-             "eagle-window": "EAGLE"}
+             "eagle-window": "EAGLE", "block-verification-standalone": "STANDALONE", "unknown-algorithm": "FOO",
+             "lower-case-algorithm": "eagle3"}
 
 
 @pytest.fixture(scope="session")
