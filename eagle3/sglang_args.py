@@ -36,7 +36,8 @@ MSG_DRAFT_TOKENS_ADJUSTED = (
 MSG_REJECTION_INFO = "Rejection sampling is enabled for speculative decoding (speculative_use_rejection_sampling=True)."
 MSG_WINDOW_NO_EFFECT = (
     "--speculative-draft-window-size has no effect with speculative_algorithm={algo} "
-    "(honored by Llama EAGLE-3 and DFLASH only)."
+    "(honored by DFLASH, Llama EAGLE-3, and the EAGLE/MTP/NEXTN draft-decode path on the "
+    "Triton/FlashInfer draft backends)."
 )
 MSG_ADAPTIVE_DISABLED = "speculative_adaptive disabled: {reason}. Falling back to static speculative params."
 MSG_TOKEN_MAP_IGNORED = (
@@ -287,13 +288,8 @@ def _handle_speculative_decoding(res: SpecResolution, ns: argparse.Namespace) ->
     algo = res.speculative_algorithm.upper()
     algo = _resolve_algorithm_alias(algo, res.speculative_draft_model_path)
     res.speculative_algorithm = algo
-    if ns.speculative_draft_window_size is not None:
-        if ns.speculative_draft_window_size <= 0:
-            raise _ResolutionFailure(
-                f"ValueError: --speculative-draft-window-size must be positive, got {ns.speculative_draft_window_size}."
-            )
-        if algo not in ("EAGLE3", "DFLASH"):
-            res.adjustments.append(("warning", MSG_WINDOW_NO_EFFECT.format(algo=algo)))
+    _check_block_verification(res, ns)
+    _check_draft_window(res, ns)
     if algo not in BUILTIN_ALGORITHMS and algo != "FROZEN_KV_MTP":
         raise _ResolutionFailure(f"ValueError: Unknown speculative algorithm name: {algo}")
     if algo not in EAGLE_FAMILY:
@@ -303,9 +299,36 @@ def _handle_speculative_decoding(res: SpecResolution, ns: argparse.Namespace) ->
         )
     if res.speculative_adaptive:
         _handle_adaptive(res, ns)
-    if ns.speculative_use_block_verification and algo in ("EAGLE", "EAGLE3"):
-        res.speculative_use_rejection_sampling = True
     _handle_eagle_family(res, ns)
+
+
+def _check_block_verification(res: SpecResolution, ns: argparse.Namespace) -> None:
+    """Rule 1.2.4 with its two checks (`handle_speculative_decoding`, before the window checks)."""
+    if not ns.speculative_use_block_verification:
+        return
+    if res.speculative_algorithm not in ("EAGLE", "EAGLE3", "DFLASH", "DSPARK"):
+        raise _ResolutionFailure(
+            "ValueError: --speculative-use-block-verification only supports EAGLE / EAGLE3 / NEXTN / DFLASH / DSPARK.")
+    if res.device != "cuda":
+        raise _ResolutionFailure("ValueError: --speculative-use-block-verification only supports CUDA or ROCm.")
+    if res.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        res.speculative_use_rejection_sampling = True
+
+
+def _check_draft_window(res: SpecResolution, ns: argparse.Namespace) -> None:
+    """Rule 1.2.5: draft window / sink sizes, validated for every algorithm."""
+    window, sink = ns.speculative_draft_window_size, ns.speculative_draft_sink_size
+    if window is not None:
+        if window <= 0:
+            raise _ResolutionFailure(f"ValueError: --speculative-draft-window-size must be positive, got {window}.")
+        if res.speculative_algorithm not in ("EAGLE", "EAGLE3", "DFLASH"):
+            res.adjustments.append(("warning", MSG_WINDOW_NO_EFFECT.format(algo=res.speculative_algorithm)))
+    if sink is not None:
+        if sink < 0:
+            raise _ResolutionFailure(f"ValueError: --speculative-draft-sink-size must be non-negative, got {sink}.")
+        if window is None:
+            raise _ResolutionFailure(
+                "ValueError: --speculative-draft-sink-size requires --speculative-draft-window-size.")
 
 
 def _resolve_algorithm_alias(algo: str, draft_path: str | None) -> str:

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Install real SGLang 0.5.23 on a CPU-only machine, enough to import it and run its own
+# argument parsing and resolution (`prepare_server_args` + `resolve_once()`, used by
+# eagle3/sglang_dryrun.py) and its benchmark client (`python -m sglang.bench_serving`).
+#
+# Usage: infra/install-sglang-cpu.sh VENV_DIR        (env: PYTHON=python3.11, default python3)
+#
+# The venv is separate from the project's .venv on purpose: sglang's declared dependencies
+# are GPU kernels (flashinfer, sglang-kernel, deep-gemm, ...), so sglang goes in with
+# --no-deps and only what its modules import at import time is added.
+# torch is sglang's own pin, 2.14.1 (a CUDA build; it imports and runs on a machine without
+# a GPU), with the torchvision built against it: resolution imports
+# `sglang.srt.configs`, which imports `torchvision.transforms` unconditionally, and the only
+# torchvision wheels on PyPI are CUDA builds whose extension needs libtorch_cuda, so a CPU
+# torch (2.13.0+cpu) cannot import any of them.
+#
+# Idempotent: a stamp file holding the package list marks a finished install; a second run
+# with the same list returns at once, a changed list reinstalls into the same venv.
+# Quiet: pip's output goes to VENV_DIR/install.log, whose tail is printed when a step fails.
+set -euo pipefail
+
+if [[ $# -ne 1 || -z "$1" ]]; then
+    echo "usage: $0 VENV_DIR" >&2
+    exit 2
+fi
+VENV_DIR=$1
+PYTHON=${PYTHON:-python3}
+
+TORCH_SPECS=("torch==2.14.1" "torchvision==0.29.1")
+SGLANG_SPEC="sglang==0.5.23"
+# What SGLang's argument resolution (`sglang.srt.arg_groups.pipeline`) and its benchmark
+# client (`sglang.benchmark.serving`, which adds `datasets`) import at import time: the
+# reference sglang-eagle3.md §6 list, with sglang's own pins where it pins (transformers,
+# compressed-tensors, sentencepiece, apache-tvm-ffi, tokenizers, python-dateutil). Installed
+# with their own dependencies while the constraints file holds torch and torchvision.
+IMPORT_NEEDS=(
+    numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic
+    pyzmq tqdm IPython aiohttp "transformers==5.19.0" "tokenizers==0.23.2" dill
+    "compressed-tensors==0.18.0" loguru gguf "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11"
+    datasets "python-dateutil<3"
+)
+STAMP_TEXT="${TORCH_SPECS[*]} $SGLANG_SPEC ${IMPORT_NEEDS[*]}"
+STAMP="$VENV_DIR/.eagleops-sglang-cpu-installed"
+LOG="$VENV_DIR/install.log"
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_TEXT" && -x "$VENV_DIR/bin/python" ]]; then
+    exit 0
+fi
+
+fail() {  # $1: the step that failed
+    echo "install-sglang-cpu: FAILED at step '$1' (venv $VENV_DIR); last lines of $LOG:" >&2
+    tail -n 25 "$LOG" >&2 || true
+    exit 1
+}
+
+step() {  # $1: step name, rest: command; output appended to the log
+    local name=$1
+    shift
+    echo "== $name: $*" >>"$LOG"
+    "$@" >>"$LOG" 2>&1 || fail "$name"
+}
+
+command -v "$PYTHON" >/dev/null || { echo "install-sglang-cpu: no '$PYTHON' on PATH (set PYTHON=...)" >&2; exit 1; }
+mkdir -p "$VENV_DIR"
+: >"$LOG"
+rm -f "$STAMP"
+step "create venv" "$PYTHON" -m venv "$VENV_DIR"
+PIP=("$VENV_DIR/bin/python" -m pip install -q --disable-pip-version-check)
+CONSTRAINTS="$VENV_DIR/constraints.txt"
+printf '%s\n' "${TORCH_SPECS[@]}" >"$CONSTRAINTS"
+step "torch and torchvision" "${PIP[@]}" "${TORCH_SPECS[@]}"
+step "sglang without its CUDA dependencies" "${PIP[@]}" --no-deps "$SGLANG_SPEC"
+step "sglang import-time needs" "${PIP[@]}" -c "$CONSTRAINTS" "${IMPORT_NEEDS[@]}"
+step "import check" "$VENV_DIR/bin/python" -c \
+    "import sglang.srt.server_args, sglang.srt.arg_groups.pipeline, sglang.bench_serving"
+echo "$STAMP_TEXT" >"$STAMP"
