@@ -228,14 +228,21 @@ def build_speculators_config(
 
 
 def export_speculators(
-    model: Eagle3DraftModel, target_config: dict, out_dir: Path, dtype: str, speculative_tokens: int, verifier: str
+    model: Eagle3DraftModel, target_config: dict, out_dir: Path, dtype: str, speculative_tokens: int, verifier: str,
+    embedding: Tensor,
 ) -> Path:
-    """Write the vLLM speculators format (`layers.0.*` names); returns the directory."""
+    """Write the vLLM speculators format (`layers.0.*` names); returns the directory.
+
+    `embedding` [V, H] is written as `embed_tokens.weight` even when the draft shares the target's:
+    speculators 0.9.0's own loader (transformers 5.19) leaves an absent embedding uninitialised in
+    about 2 of 3 loads, while vLLM itself replaces it with the target's anyway.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = build_speculators_config(model.config, target_config, speculative_tokens, verifier, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in sglang_state_dict(model, getattr(torch, dtype)).items()}
+    state[_EMBED_KEY] = embedding.to(getattr(torch, dtype)).contiguous()
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -473,9 +480,17 @@ def validate_speculators_checkpoint(draft_dir: Path, target_config: dict) -> lis
                                 f"0..{num_layers - 1}; missing ids fall back to vLLM's default layers"))
     expected = {k.replace("midlayer.", "layers.0.", 1) for k in SGLANG_WEIGHT_KEYS}
     with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
-        found = set(f.keys()) - {_EMBED_KEY}
+        keys = set(f.keys())
+    found = keys - {_EMBED_KEY}
     if found != expected:
         problems.append(Problem("keys", f"missing {sorted(expected - found)}, unknown {sorted(found - expected)}"))
+    if _EMBED_KEY not in keys:
+        problems.append(Problem("embed_tokens_missing", f"{_EMBED_KEY} is absent: speculators 0.9.0's loader "
+                                "(transformers 5.19) leaves the embedding uninitialised in about 2 of 3 loads"))
+    verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "")
+    if str(verifier).startswith("/") and Path(verifier).exists():
+        problems.append(Problem("verifier_local_path", f"verifier {verifier} is a path on this machine: on a serving "
+                                "host it names nothing; give the host's target path or a model id", "warning"))
     return problems
 
 
@@ -541,7 +556,10 @@ def export_checkpoint(checkpoint_path: Path, target_dir: Path, cfg: ExportConfig
             problems = validate_sglang_checkpoint(path, target_config)
         else:
             verifier = cfg.verifier_name_or_path or str(Path(target_dir).resolve())
-            path = export_speculators(model, target_config, out_dir / "speculators", cfg.dtype, cfg.speculative_tokens, verifier)
+            embedding = read_target_embedding(target_dir) if model.config.shares_target_embedding \
+                else model.embed_tokens.weight.detach()
+            path = export_speculators(model, target_config, out_dir / "speculators", cfg.dtype, cfg.speculative_tokens,
+                                      verifier, embedding)
             problems = validate_speculators_checkpoint(path, target_config)
         result["formats"][fmt] = str(path)
         result["validation"][fmt] = [asdict(p) for p in problems]

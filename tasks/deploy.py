@@ -216,7 +216,7 @@ def sglang_dry_run(executor: Executor, args: list[str]) -> dict | None:
     """SGLang's own argument resolution on the host (eagle3/sglang_dryrun.py piped to its Python)."""
     if not DRY_RUN_SCRIPT.is_file():
         return None
-    result = executor.run([executor.python, "-", *args], stdin=DRY_RUN_SCRIPT.read_bytes(), check=False,
+    result = executor.run([executor.python, "-", "--", *args], stdin=DRY_RUN_SCRIPT.read_bytes(), check=False,
                           log_output=False, timeout=300)
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])

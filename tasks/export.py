@@ -14,11 +14,20 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.config import ExportConfig
 from eagle3.export import TRAINING_RECORD
 from eagle3.export import export_checkpoint as run_export
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
+
+
+def export_settings(cfg: ExperimentConfig, target_dir: Path) -> ExportConfig:
+    """The export config with a verifier that names the target where it is served, never this machine's path:
+    the configured id, else the serving host's model path, else the tiny target's cache name."""
+    verifier = (cfg.export.verifier_name_or_path or cfg.deploy.model_path or cfg.target.model_path
+                or f"eagleops-tiny-target/{target_dir.name}")
+    return cfg.export.model_copy(update={"verifier_name_or_path": verifier})
 
 
 @task(name="export_checkpoint", cache_policy=NO_CACHE)
@@ -28,7 +37,7 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     if not checkpoint:
         raise ValueError("train_draft produced no checkpoint to export")
     target_dir = Path(trained["outputs"]["target_dir"])
-    result = run_export(Path(checkpoint), target_dir, cfg.export, ctx.stage_dir)
+    result = run_export(Path(checkpoint), target_dir, export_settings(cfg, target_dir), ctx.stage_dir)
     if "sglang" in result["formats"] and trained.get("training_record"):
         record = {**trained["training_record"], "simulated_accept_length": trained.get("simulated_accept_length"),
                   "acc": trained.get("acc")}

@@ -120,9 +120,11 @@ def test_export_reload_gives_identical_logits(tmp_path, dtype):
 
 def test_speculators_export_layout_ids_and_reload(tmp_path):
     model, embed = make_model()
-    path = export_speculators(model, TARGET, tmp_path / "spec", "float32", 3, "/models/target")
+    path = export_speculators(model, TARGET, tmp_path / "spec", "float32", 3, "/models/target", embed)
     weights = load_file(str(path / "model.safetensors"))
-    assert set(weights) == {k.replace("midlayer.", "layers.0.") for k in SGLANG_KEYS}
+    # The embedding travels: speculators' own loader leaves an absent one uninitialised.
+    assert set(weights) == {k.replace("midlayer.", "layers.0.") for k in SGLANG_KEYS} | {"embed_tokens.weight"}
+    assert torch.equal(weights["embed_tokens.weight"], embed)
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM: input of layer k = SGLang id + 1
@@ -133,6 +135,10 @@ def test_speculators_export_layout_ids_and_reload(tmp_path):
     assert spec["proposal_methods"][0]["speculative_tokens"] == 3
     assert spec["verifier"] == {"name_or_path": "/models/target", "architectures": ["LlamaForCausalLM"]}
     assert validate_speculators_checkpoint(path, TARGET) == []
+    without_embedding = load_file(str(path / "model.safetensors"))
+    del without_embedding["embed_tokens.weight"]
+    save_file(without_embedding, str(path / "model.safetensors"))
+    assert [p.code for p in validate_speculators_checkpoint(path, TARGET)] == ["embed_tokens_missing"]
     reloaded = load_exported(path, target_embedding=embed)
     assert reloaded.config.aux_layer_ids == AUX
     assert torch.equal(logits_of(reloaded), logits_of(model))
@@ -157,7 +163,9 @@ def test_export_checkpoint_stage_entry(tmp_path):
     result = export_checkpoint(ckpt, target, ExportConfig(formats=["sglang", "speculators"], dtype="float32"),
                                tmp_path / "export")
     assert set(result["formats"]) == {"sglang", "speculators"}
-    assert result["validation"] == {"sglang": [], "speculators": []} and result["warnings"] == 0
+    assert result["validation"]["sglang"] == []
+    # The default verifier is this machine's target path: flagged, since it names nothing on a serving host.
+    assert [p["code"] for p in result["validation"]["speculators"]] == ["verifier_local_path"]
     json.dumps(result)
     reloaded = load_exported(Path(result["formats"]["sglang"]), target_dir=target)
     assert torch.equal(logits_of(reloaded), logits_of(model))

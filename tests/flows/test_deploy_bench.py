@@ -33,7 +33,7 @@ data:
   validation_fraction: 0.25
   regenerate: {{max_new_tokens: 32}}
   draft_vocab_size: 64
-train: {{ttt_steps: 3, max_steps: 150, batch_size: 4, lr: 0.003, eval_every: 75, checkpoint_every: 75}}
+train: {{ttt_steps: 3, epochs: 40, max_steps: 150, batch_size: 4, lr: 0.003, eval_every: 75, checkpoint_every: 75}}
 export: {{formats: [sglang], dtype: float32}}
 deploy:
   host: {host}
@@ -139,7 +139,7 @@ def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir)
 
 @pytest.mark.slow
 def test_seed_setting_fails_preflight_with_sglangs_explanation(trained_run, workdir):
-    config = write_config(workdir, "seed")
+    config = write_config(workdir, "seed", speculative=SEED)
     before = json.loads((trained_run / "servers.json").read_text()) if (trained_run / "servers.json").exists() else {}
     with pytest.raises(StageFailed, match=r"num_draft_tokens: asked 16, SGLang runs 2 .*speculative_num_draft_tokens "
                                           r"is adjusted to speculative_num_steps \+ 1 when speculative_eagle_topk == 1"):

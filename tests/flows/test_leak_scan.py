@@ -1,0 +1,179 @@
+"""No secret anywhere: the whole flow run as a user runs it (the CLI in a subprocess), with every secret
+field set and a credentialed URL, through every stage that uses them -- HTTP regeneration against a
+local server that demands the key, deploy over SSH with a passphrase-protected key -- then every place
+text goes is grepped: stdout/stderr, the run folder, the serving host's workdir, MLflow params, tags,
+metric names and artifacts, Prefect logs and artifacts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from mlflow.tracking import MlflowClient
+
+from tests.eagle3.test_data import serve_in_thread
+
+API_KEY = "sk-leakscan-7f3a9c2e41"
+URL_PASSWORD = "pw-leakscan-b81d6f"
+PASSPHRASE = "pp-leakscan-5e2c90"
+SECRETS = (API_KEY, URL_PASSWORD, PASSPHRASE, f"leaker:{URL_PASSWORD}")
+
+CONFIG = """\
+experiment: leakscan
+runs_root: {runs}
+target:
+  kind: tiny
+  dtype: float32
+  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
+          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
+          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
+data:
+  num_samples: 12
+  max_length: 160
+  validation_fraction: 0.25
+  draft_vocab_size: 64
+  regenerate:
+    backend: http
+    endpoint: {endpoint}
+    api_key: ${{LEAKSCAN_API_KEY}}
+    model: tiny
+    max_new_tokens: 16
+    retries: 0
+train: {{ttt_steps: 2, max_steps: 6, batch_size: 4}}
+export: {{formats: [sglang, speculators], dtype: float32}}
+deploy:
+  host: gpu-ssh
+  server: reference
+  port: {port}
+  speculative: {{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}
+  startup_timeout_s: 240
+bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 8, warmup_runs: 0, timed_runs: 1}}
+hosts:
+  - name: gpu-ssh
+    address: 127.0.0.1
+    port: {ssh_port}
+    user: {user}
+    key_file: {key_file}
+    key_passphrase: ${{LEAKSCAN_PASSPHRASE}}
+    known_hosts: {known_hosts}
+    workdir: {workdir}
+    python: {python}
+"""
+
+
+@pytest.fixture()
+def authenticated_chat_server():
+    """An OpenAI-style server that answers only with the API key, so the run must really use it."""
+    seen = {"authorized": 0}
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        if request.headers.get("authorization") != f"Bearer {API_KEY}":
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
+        seen["authorized"] += 1
+        body = await request.json()
+        text = "def add(a, b):\n    return a + b\n" if len(body["messages"]) % 2 else "print('ok')\n"
+        return {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+
+    with serve_in_thread(app) as url:
+        host = url.removeprefix("http://")
+        yield f"http://leaker:{URL_PASSWORD}@{host}/v1", seen
+
+
+@pytest.fixture()
+def locked_key(sshd, tmp_path):
+    """A passphrase-protected user key the sshd accepts."""
+    key = tmp_path / "locked"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", PASSPHRASE, "-f", str(key)], check=True,
+                   capture_output=True)
+    authorized = sshd.directory / "authorized_keys"
+    original = authorized.read_text()
+    authorized.write_text(original + (tmp_path / "locked.pub").read_text())
+    yield key
+    authorized.write_text(original)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_clean(text: str, where: str) -> None:
+    for secret in SECRETS:
+        assert secret not in text, f"secret {secret[:6]}... leaked into {where}"
+
+
+def assert_tree_clean(root: Path, where: str) -> int:
+    files = [p for p in root.rglob("*") if p.is_file()]
+    for path in files:
+        assert_clean(path.read_bytes().decode("latin-1"), f"{where}: {path}")
+    return len(files)
+
+
+@pytest.mark.slow
+def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authenticated_chat_server, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    endpoint, seen = authenticated_chat_server
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n" + json.dumps({"prompt": "Count to three."}) + "\n")
+    remote = tmp_path / "remote"
+    host = sshd.host_config()
+    config = tmp_path / "leakscan.yaml"
+    config.write_text(CONFIG.format(runs=tmp_path / "runs", endpoint=endpoint, port=free_port(), ssh_port=host.port,
+                                    user=host.user, key_file=locked_key, known_hosts=host.known_hosts,
+                                    workdir=remote, python=sys.executable, prompts=prompts))
+    env = {**os.environ, "LEAKSCAN_API_KEY": API_KEY, "LEAKSCAN_PASSPHRASE": PASSPHRASE,
+           "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert seen["authorized"] >= 9  # the key was used: the server refuses requests without it
+    assert_clean(done.stdout + done.stderr, "the CLI's output")
+    validated = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(config)], env=env,
+                               capture_output=True, text=True, timeout=120)
+    assert_clean(validated.stdout + validated.stderr, "eagleops validate")
+
+    run_dir = next((tmp_path / "runs" / "leakscan").iterdir())
+    assert assert_tree_clean(run_dir, "the run folder") > 10
+    assert assert_tree_clean(remote, "the serving host's workdir") > 2  # server logs, uploaded draft
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("leakscan")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) >= 8  # the parent and one child per stage
+    for run in runs:
+        assert_clean(json.dumps(run.data.params) + json.dumps(run.data.tags) + json.dumps(list(run.data.metrics)),
+                     f"MLflow run {run.info.run_name}")
+        if client.list_artifacts(run.info.run_id):
+            assert_tree_clean(Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id))),
+                              f"MLflow artifacts of {run.info.run_name}")
+
+    flow_run_id = json.loads((run_dir / "manifest.json").read_text())["prefect_flow_run_ids"][-1]
+    logs, artifacts = asyncio.run(prefect_records(flow_run_id))
+    assert len(logs) > 20
+    assert_clean("\n".join(log.message for log in logs), "Prefect logs")
+    assert_clean(json.dumps([a.data for a in artifacts], default=str), "Prefect artifacts")
+
+
+async def prefect_records(flow_run_id: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+    async with get_client() as client:
+        logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return logs, artifacts
