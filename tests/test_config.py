@@ -29,6 +29,8 @@ deploy:
   host: local
   speculative:
     num_steps: 3
+    eagle_topk: 1
+    num_draft_tokens: 4
 bench:
   concurrency: [1]
 """
@@ -68,10 +70,10 @@ BROKEN = [
     ("    backend: local", "    backend: grpc", 7, "data.regenerate.backend: must be 'local' or 'http' (got 'grpc')"),
     ("  host: local", "  host: gpu-9", 11, "deploy.host 'gpu-9' is neither 'local' nor one of hosts[].name"),
     ("    num_steps: 3", "    num_steps: 0", 13, "deploy.speculative.num_steps: must be >= 1 (got 0)"),
-    ("    num_steps: 3", "    num_draft_tokens: 1", 13, "deploy.speculative.num_draft_tokens: must be >= 2 (got 1)"),
+    ("    num_draft_tokens: 4", "    num_draft_tokens: 1", 15, "deploy.speculative.num_draft_tokens: must be >= 2 (got 1)"),
     ("    num_steps: 3", "    algorithm: EAGLE", 13, "deploy.speculative.algorithm: must be 'EAGLE3' (got 'EAGLE')"),
-    ("  concurrency: [1]", "  concurrency: [0]", 15, "bench.concurrency: each value must be between 1 and 4096"),
-    ("  concurrency: [1]", "  concurrency: []", 15, "bench.concurrency: List should have at least 1 item"),
+    ("  concurrency: [1]", "  concurrency: [0]", 17, "bench.concurrency: each value must be between 1 and 4096"),
+    ("  concurrency: [1]", "  concurrency: []", 17, "bench.concurrency: List should have at least 1 item"),
     ("experiment: broken", "experiment: Broken Name", 1, "experiment: must match pattern"),
     ("experiment: broken", "experimnt: broken", 1, "experimnt: unknown field (allowed: experiment,"),
     ("experiment: broken", "experiment: broken\ntracking:\n  uri: ftp://x", 3, "tracking.uri must start with sqlite:///"),
@@ -131,6 +133,36 @@ def test_run_rejects_bad_input_with_exit_2(tmp_path):
     assert result.exit_code == 2 and "unknown stage(s) train" in " ".join(result.output.split())
     result = runner.invoke(app, ["run", str(good), "--run-dir", str(tmp_path)])
     assert result.exit_code == 2 and "not a run directory" in result.output
+
+
+SPECULATIVE_CASES = [
+    # (the speculative block, exit code, what validate says)
+    ("{num_steps: 1, eagle_topk: 1, num_draft_tokens: 16}", 2,
+     "deploy.speculative.num_draft_tokens: asked 16, SGLang runs 2 (SGLang: \"speculative_num_draft_tokens is "
+     "adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1\"); ask for 2"),
+    ("{num_steps: 1, eagle_topk: 1, num_draft_tokens: 16, allow_adjustments: true}", 0,
+     "sglang_settings: deploy.speculative.num_draft_tokens: asked 16, SGLang runs 2 (SGLang: \"speculative_num_"
+     "draft_tokens is adjusted to speculative_num_steps + 1 when speculative_eagle_topk == 1\") ok"),
+    ("{num_steps: 3}", 2, "TypeError: '>' not supported between instances of 'NoneType' and 'int'"),
+    ("{eagle_topk: 4}", 2, "AssertionError (empty message)"),
+    ("{num_steps: 2, eagle_topk: 2, num_draft_tokens: 32}", 2, "too large for the draft tree"),
+    ("{num_steps: 5, eagle_topk: 1, num_draft_tokens: 6}", 0, "speculative_num_draft_tokens"),
+]
+
+
+@pytest.mark.parametrize("speculative, code, message", SPECULATIVE_CASES)
+def test_validate_applies_sglangs_launch_rules(tmp_path, monkeypatch, speculative, code, message):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "tmp.yaml"
+    config.write_text(BASE.replace("  speculative:\n    num_steps: 3\n    eagle_topk: 1\n    num_draft_tokens: 4",
+                                   f"  speculative: {speculative}"))
+    result = runner.invoke(app, ["validate", str(config)], env={"COLUMNS": "400"})
+    output = " ".join(result.output.split())
+    assert result.exit_code == code, output
+    if code == 0 and "allow" not in speculative:
+        assert "error" not in output and "sglang_settings: deploy.speculative" not in output
+    else:
+        assert message in output
 
 
 def test_version():
