@@ -698,10 +698,11 @@ def compare_client_server(result: BenchResult, accept_rel_tol: float = 0.05,
     flags: list[str] = []
     srv = result.server
     client_decode = result.decode_accept_length
-    if client_decode is not None and srv.avg_spec_accept_length is None:
+    if client_decode is not None and srv.avg_spec_accept_length is None and srv.metrics_accept_length is None:
         flags.append(f"server reported no avg_spec_accept_length (flushed={srv.flushed}; no decode-log tick "
                      f"since the flush?); client decode accept length {client_decode:.3f}")
-    elif client_decode is not None and _relative_gap(client_decode, srv.avg_spec_accept_length) > accept_rel_tol:
+    elif client_decode is not None and srv.avg_spec_accept_length is not None \
+            and _relative_gap(client_decode, srv.avg_spec_accept_length) > accept_rel_tol:
         flags.append(f"accept length: client (decode tokens / verifies) {client_decode:.3f} vs server "
                      f"avg_spec_accept_length {srv.avg_spec_accept_length:.3f} (tolerance {accept_rel_tol:.0%})")
     metrics_accept = srv.metrics_accept_length

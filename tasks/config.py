@@ -93,6 +93,10 @@ class DeployConfig(StrictModel):
     tp: int = Field(1, ge=1, le=128, description="--tp (tensor parallel size).")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="--mem-fraction-static.")
     extra_args: list[str] = Field(default_factory=list, description="Further SGLang flags, passed verbatim.")
+    enable_metrics: bool = Field(
+        True, description="--enable-metrics: /metrics counters let the benchmark cross-check its accept length and "
+        "token counts exactly against the server's."
+    )
     env: dict[str, str] = Field(default_factory=dict, description="Environment for the server process.")
     startup_timeout_s: float = Field(900.0, gt=0, le=7200, description="Seconds to wait for /health.")
     baseline: bool = Field(True, description="Also serve without speculation to measure the baseline.")

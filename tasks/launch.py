@@ -57,6 +57,8 @@ def launch_args(cfg: ExperimentConfig, *, model_path: str, draft_path: str | Non
         args += ["--mem-fraction-static", str(deploy.mem_fraction_static)]
     if deploy.max_running_requests is not None:
         args += ["--max-running-requests", str(deploy.max_running_requests)]
+    if deploy.enable_metrics:
+        args.append("--enable-metrics")
     return args + list(deploy.extra_args)
 
 
