@@ -280,3 +280,19 @@ def test_compare_failures():
         "resolution: sglang succeeds, eagleops predicted failure 'AssertionError")
     with pytest.raises(ValueError, match="expected one dry-run object"):
         compare_dry_run([SGLANG_SEED_ANSWER], ok_prediction)  # type: ignore[arg-type]
+
+
+def test_deploy_preflight_dry_run_over_ssh_agrees_and_catches_a_disagreement(sglang_python, model_dirs, sshd):
+    """The deploy stage's dry run: the script piped over SSH to the host's SGLang Python."""
+    from tasks.deploy import dry_run_findings, sglang_dry_run
+    from tasks.remote import connect
+
+    argv = case_argv("chain-3-1-4", "llama", ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                                        "--speculative-num-draft-tokens", "4"], model_dirs)
+    with connect(sshd.host_config(python=str(sglang_python))) as host:
+        dry = sglang_dry_run(host, argv)
+    assert dry["ok"] and dry["resolved"]["speculative_num_draft_tokens"] == 4
+    predicted = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "max_running_requests": 48}
+    assert [f.level for f in dry_run_findings(dry, predicted)] == ["info"]
+    wrong = dry_run_findings(dry, {**predicted, "num_draft_tokens": 16})
+    assert [f.message for f in wrong] == ["speculative_num_draft_tokens: SGLang resolves 4, eagleops predicted 16"]
