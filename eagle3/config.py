@@ -8,6 +8,7 @@ stays usable from a notebook.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -144,6 +145,9 @@ class RegenerateConfig(StrictModel):
     def _http_needs_endpoint(self) -> RegenerateConfig:
         if self.backend == "http" and not self.endpoint:
             raise ValueError("data.regenerate.endpoint is required when data.regenerate.backend is 'http'")
+        if self.api_key is not None and self.endpoint and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]+@", self.endpoint):
+            raise ValueError("data.regenerate.endpoint carries credentials (user:pass@) and data.regenerate.api_key is "
+                             "set: both go in the Authorization header, so the key would be dropped; keep one")
         return self
 
 

@@ -146,13 +146,13 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
     from flows.experiment import eagle3_experiment
-    from flows.runtime import prefect_api, signals_as_exceptions
+    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
     from tasks.pipeline import Pipeline, SelectionError, StageFailed
     from tasks.secrets import redact
 
     Pipeline.active = None
     try:
-        with signals_as_exceptions(), prefect_api():
+        with signals_as_exceptions(), redacted_stdio(), prefect_api():
             result = eagle3_experiment(
                 str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant
             )

@@ -124,6 +124,33 @@ def _drain_prefect_workers(timeout: float = 10.0) -> None:
         worker.drain_all(timeout=timeout)
 
 
+class _RedactingStream:
+    """sys.stdout/sys.stderr stand-in: every write passes through `tasks.secrets.redact` first
+    (third-party prints, e.g. a library printing its server URL, never go through logging)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        from tasks.secrets import redact
+
+        return self._stream.write(redact(text))
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def redacted_stdio() -> Iterator[None]:
+    """Mask secrets in whatever this process prints while the run lasts."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _RedactingStream(sys.stdout), _RedactingStream(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def _raise_terminated(signum, frame) -> None:
     raise Terminated()
 

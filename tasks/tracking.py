@@ -40,6 +40,8 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# MLflow prints "View run ... at: <tracking uri>" to stdout, credentials of the URI included.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 # MLflow's defaults (7 retries, backoff factor 2, 120 s read timeout) wait ~265 s on a refused
 # connection; the journal is the fallback here, so 2 retries (~3 s) are enough. A user's own
 # setting wins. Read by MLflow at each request, so setting them at import is in time.

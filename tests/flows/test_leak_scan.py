@@ -1,8 +1,9 @@
 """No secret anywhere: the whole flow run as a user runs it (the CLI in a subprocess), with every secret
 field set and a credentialed URL, through every stage that uses them -- HTTP regeneration against a
-local server that demands the key, deploy over SSH with a passphrase-protected key -- then every place
-text goes is grepped: stdout/stderr, the run folder, the serving host's workdir, MLflow params, tags,
-metric names and artifacts, Prefect logs and artifacts.
+local server that demands the key, deploy over SSH with a passphrase-protected key, a real MLflow
+server reached through `http://user:password@...` -- then every place text goes is grepped:
+stdout/stderr, the run folder, the serving host's workdir, MLflow params, tags, metric names and
+artifacts, Prefect logs and artifacts.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ deploy:
   speculative: {{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}
   startup_timeout_s: 240
 bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 8, warmup_runs: 0, timed_runs: 1}}
+tracking: {{uri: "{tracking}"}}
 hosts:
   - name: gpu-ssh
     address: 127.0.0.1
@@ -85,8 +87,7 @@ def authenticated_chat_server():
         return {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
 
     with serve_in_thread(app) as url:
-        host = url.removeprefix("http://")
-        yield f"http://leaker:{URL_PASSWORD}@{host}/v1", seen
+        yield f"{url}/v1", seen
 
 
 @pytest.fixture()
@@ -123,10 +124,13 @@ def assert_tree_clean(root: Path, where: str) -> int:
 
 
 @pytest.mark.slow
-def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authenticated_chat_server, tmp_path):
+def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authenticated_chat_server, mlflow_server,
+                                    tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     endpoint, seen = authenticated_chat_server
+    if not mlflow_server.running:
+        mlflow_server.start()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n" + json.dumps({"prompt": "Count to three."}) + "\n")
     remote = tmp_path / "remote"
@@ -134,7 +138,8 @@ def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authentic
     config = tmp_path / "leakscan.yaml"
     config.write_text(CONFIG.format(runs=tmp_path / "runs", endpoint=endpoint, port=free_port(), ssh_port=host.port,
                                     user=host.user, key_file=locked_key, known_hosts=host.known_hosts,
-                                    workdir=remote, python=sys.executable, prompts=prompts))
+                                    workdir=remote, python=sys.executable, prompts=prompts,
+                                    tracking=mlflow_server.uri.replace("http://", f"http://leaker:{URL_PASSWORD}@")))
     env = {**os.environ, "LEAKSCAN_API_KEY": API_KEY, "LEAKSCAN_PASSPHRASE": PASSPHRASE,
            "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "200"}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], env=env, capture_output=True,
@@ -150,7 +155,7 @@ def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authentic
     assert assert_tree_clean(run_dir, "the run folder") > 10
     assert assert_tree_clean(remote, "the serving host's workdir") > 2  # server logs, uploaded draft
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    client = MlflowClient(mlflow_server.uri)
     experiment = client.get_experiment_by_name("leakscan")
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) >= 8  # the parent and one child per stage
