@@ -452,6 +452,9 @@ def post_with_failover(
             failed_on = k
             sleep(delay)
             continue
+        except RuntimeError as exc:  # a malformed answer: the server is up but this is not retried
+            pool.release(k, reachable=True)
+            raise RequestFailed(str(exc), attempt + 1, tried) from exc
         except BaseException:
             pool.release(k, reachable=True)
             raise
@@ -484,8 +487,8 @@ def _answer_all(
             index = futures[future]
             try:
                 on_answer(index, future.result())
-            except RuntimeError as err:  # RequestFailed, or a malformed answer (not retried)
-                failures.add(index, str(err), getattr(err, "attempts", 1), getattr(err, "servers", []))
+            except RequestFailed as err:
+                failures.add(index, str(err), err.attempts, err.servers)
                 log(f"regenerate: prompt {index} failed: {err}")
             done += 1
             progress("regenerate", done, total)
@@ -595,7 +598,6 @@ def regeneration_settings(rcfg: RegenerateConfig) -> dict:
         settings["endpoint"] = _masked_url(rcfg.endpoint)
     settings["endpoints"] = [_masked_url(u) for u in rcfg.endpoints]
     return settings
-
 
 
 # --------------------------------------------------------------------------- samples
@@ -1051,7 +1053,7 @@ def _final_conversations(
     record = RegenerationLog(out_dir / f".regenerated-{fingerprint[:16]}.jsonl")
     if record.done:
         log(f"regenerate: resuming, {len(record.done)}/{len(prompts)} answers already done")
-    failures = FailureLog(out_dir / FAILED_FILE)
+    failures = FailureLog(None)
     try:
         if rcfg.backend == "local":
             model = load_model()
@@ -1059,6 +1061,7 @@ def _final_conversations(
                 model, tokenizer, prompts, rcfg, data_cfg.max_length, stop_ids, record, progress, data_cfg.seed
             )
         elif len(record.done) < len(prompts):
+            failures = FailureLog(out_dir / FAILED_FILE)  # what failed in an earlier pass is asked again
             with _servers(rcfg, open_endpoints) as urls:
                 log(f"regenerate: {len(prompts) - len(record.done)} prompts through {len(urls)} server(s), "
                     f"{rcfg.concurrency} in flight each")

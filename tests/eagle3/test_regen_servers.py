@@ -266,3 +266,31 @@ def test_killed_regeneration_resumes_without_asking_again(two_servers, through_s
     assert asked == sum(served) - len(answered)  # only the unfinished prompts were asked again
     assert log_path.exists() is False  # consumed into samples.jsonl
     assert (out / "samples.jsonl").read_bytes() == (uninterrupted / "samples.jsonl").read_bytes()
+
+
+def test_generate_answer_keeps_a_matched_stop_id_and_rejects_malformed_replies():
+    def reply(body) -> httpx.Response:
+        return httpx.Response(200, json=body) if not isinstance(body, str) else httpx.Response(200, text=body)
+
+    stopped = {"text": "ab", "output_ids": [7, 8], "meta_info": {"finish_reason": {"type": "stop", "matched": 3}}}
+    assert data_mod._generated_answer(reply(stopped), "u") == ("ab", [7, 8, 3])  # a server that left it out
+    kept = stopped | {"output_ids": [7, 8, 3]}
+    assert data_mod._generated_answer(reply(kept), "u") == ("ab", [7, 8, 3])  # not doubled
+    length = {"text": "ab", "output_ids": [7, 8], "meta_info": {"finish_reason": {"type": "length", "length": 2}}}
+    assert data_mod._generated_answer(reply(length), "u") == ("ab", [7, 8])
+    for bad in ("not json", {"text": "ab"}, {"text": "ab", "output_ids": ["7"]}):
+        with pytest.raises(RuntimeError, match="POST u: .*/generate response"):
+            data_mod._generated_answer(reply(bad), "u")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"backend": "sglang"}, "set exactly one of data.regenerate.endpoint, data.regenerate.endpoints or "
+                            r"data.regenerate.deploy \(got none\)"),
+    ({"backend": "sglang", "endpoint": "http://a", "endpoints": ["http://b"]}, r"\(got endpoint, endpoints\)"),
+    ({"backend": "local", "deploy": {"servers": 2}}, "data.regenerate.deploy needs data.regenerate.backend"),
+])
+def test_servers_are_named_exactly_once(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RegenerateConfig(**fields)
+    assert RegenerateConfig(backend="sglang", deploy={"servers": 2}).server_urls == []
+    assert RegenerateConfig(backend="http", endpoints=["http://a", "http://b"]).server_urls == ["http://a", "http://b"]
