@@ -479,7 +479,8 @@ def _answer_all(
     done = total - len(requests)
     progress("regenerate", done, total)
     workers = max(1, min(len(requests), rcfg.concurrency * len(pool.urls)))
-    with httpx.Client(headers=headers, timeout=rcfg.timeout_s, limits=httpx.Limits(max_connections=workers)) as client, \
+    limits = httpx.Limits(max_connections=workers)
+    with httpx.Client(headers=headers, timeout=rcfg.timeout_s, limits=limits) as client, \
             ThreadPoolExecutor(workers) as threads:
         futures = {threads.submit(post_with_failover, client, pool, route, payload, parse, rcfg, log): i
                    for i, payload in requests.items()}
