@@ -120,17 +120,33 @@ class TargetConfig(StrictModel):
 # --------------------------------------------------------------------------- data
 
 
+class RegenerationServersConfig(StrictModel):
+    """Servers of the target the data stage starts for regeneration and stops when it is done."""
+
+    servers: int = Field(1, ge=1, le=256, description="Baseline servers (no draft) of the target to start.")
+    host: str = Field("local", min_length=1, description="`local` or a hosts[].name to start them on.")
+
+
 class RegenerateConfig(StrictModel):
     """Regenerating responses with the target, so training sees the target's own distribution."""
 
     enabled: bool = Field(True, description="Regenerate responses with the target (recommended).")
-    backend: Literal["local", "http"] = Field(
-        "local", description="`local`: HF generate in-process; `http`: an SGLang/OpenAI-compatible endpoint."
+    backend: Literal["local", "http", "sglang"] = Field(
+        "local",
+        description="`local`: HF generate in-process; `http`: an OpenAI-compatible chat endpoint (text only, "
+        "re-tokenized); `sglang`: SGLang's native /generate with token ids in and the target's own ids kept.",
     )
-    endpoint: str | None = Field(None, description="Base URL of the OpenAI-compatible server (backend=http).")
+    endpoint: str | None = Field(None, description="Base URL of one server (backend http or sglang).")
+    endpoints: list[str] = Field(
+        default_factory=list, description="Base URLs of several servers of the target (backend http or sglang)."
+    )
+    deploy: RegenerationServersConfig | None = Field(
+        None, description="Start servers of the target for the data stage instead of naming endpoints "
+        "(deploy.server picks SGLang or the reference server)."
+    )
     api_key: SecretStr | None = Field(None, description="Bearer token for the endpoint; use ${ENV_VAR}.")
     model: str | None = Field(None, description="Served model name sent in requests (backend=http).")
-    concurrency: int = Field(8, ge=1, le=4096, description="Requests in flight (backend=http).")
+    concurrency: int = Field(8, ge=1, le=4096, description="Requests in flight per server (backend http or sglang).")
     retries: int = Field(3, ge=0, le=50, description="Retries per request on transient errors.")
     timeout_s: float = Field(120.0, gt=0, le=36000, description="Per-request timeout in seconds.")
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature for regeneration.")
@@ -138,17 +154,37 @@ class RegenerateConfig(StrictModel):
     max_new_tokens: int = Field(128, ge=1, le=131072, description="Response length cap.")
     batch_size: int = Field(16, ge=1, le=4096, description="Prompts per local generate call (backend=local).")
     backoff_s: float = Field(
-        1.0, ge=0, le=600, description="First retry delay in seconds (backend=http); doubles per retry, capped at 60 s."
+        1.0, ge=0, le=600, description="First retry delay in seconds (backend http or sglang); doubles per retry, "
+        "capped at 60 s."
+    )
+    max_failed_fraction: float = Field(
+        0.0, ge=0, le=1, description="Share of prompts that may still fail after their retries (each one is "
+        "recorded in failed.jsonl and the summary) before the data stage fails; a rerun asks them again."
     )
 
     @model_validator(mode="after")
-    def _http_needs_endpoint(self) -> RegenerateConfig:
-        if self.backend == "http" and not self.endpoint:
-            raise ValueError("data.regenerate.endpoint is required when data.regenerate.backend is 'http'")
-        if self.api_key is not None and self.endpoint and re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]+@", self.endpoint):
+    def _servers_named_once(self) -> RegenerateConfig:
+        given = [name for name, value in (("endpoint", self.endpoint), ("endpoints", self.endpoints),
+                                          ("deploy", self.deploy)) if value]
+        if self.backend == "local" and given:
+            raise ValueError(f"data.regenerate.{given[0]} needs data.regenerate.backend 'http' or 'sglang' "
+                             "(backend 'local' generates in-process)")
+        if self.backend != "local" and len(given) != 1:
+            raise ValueError(
+                f"data.regenerate.endpoint is required when data.regenerate.backend is '{self.backend}': set exactly "
+                f"one of data.regenerate.endpoint, data.regenerate.endpoints or data.regenerate.deploy (got "
+                f"{', '.join(given) or 'none'})"
+            )
+        urls = [self.endpoint] if self.endpoint else list(self.endpoints or [])
+        if self.api_key is not None and any(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]+@", u) for u in urls):
             raise ValueError("data.regenerate.endpoint carries credentials (user:pass@) and data.regenerate.api_key is "
                              "set: both go in the Authorization header, so the key would be dropped; keep one")
         return self
+
+    @property
+    def server_urls(self) -> list[str]:
+        """The named servers' base URLs (none when the data stage deploys them)."""
+        return [self.endpoint] if self.endpoint else list(self.endpoints)
 
 
 class DataConfig(StrictModel):

@@ -3,6 +3,10 @@ draft vocab -> target hidden states (offline shards) or nothing (online).
 
 Owns the on-disk dataset and the contract the trainer reads:
 - `samples.jsonl`: one sample per line, `{"id", "split", "messages", "input_ids", "loss_mask"}`.
+- regeneration: in-process HF generate (`local`), or servers of the target (`sglang`: native
+  /generate, token ids in and out, so samples carry the target's own token stream; `http`: an
+  OpenAI chat endpoint, text only), spread over several servers with retries that move to
+  another server; `failed.jsonl` lists the prompts that still failed (never dropped silently).
 - `hidden_states/` (offline): safetensors shards, each packing its samples back to back
   (`input_ids` [N_tok] int64, `loss_mask` [N_tok] uint8, `lengths` [N] int64, `sample_ids` [N]
   int64, `aux_hidden_states` [N_tok, k*H], `last_hidden_states` [N_tok, H]) + `manifest.json`.
@@ -65,6 +69,9 @@ __all__ = [
 
 ProgressFn = Callable[[str, int, int], None]
 LogFn = Callable[[str], None]
+# Starts the regeneration servers on entry, stops them on exit; yields their base URLs.
+OpenEndpoints = Callable[[], contextlib.AbstractContextManager[list[str]]]
+FAILED_FILE = "failed.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 # Bumped when the way samples are built changes (2: the target's own generated ids are kept).
 SAMPLES_FORMAT = 2
@@ -148,7 +155,7 @@ class RegenerationLog:
 
     File lines are {"i": prompt index, "response": str[, "ids": [int]]}; the file name carries
     the run's fingerprint, so answers from other settings or another target are never mixed in.
-    `ids` are the target's own generated token ids (local backend): see `tokenize_generated`.
+    `ids` are the target's own generated token ids (local and sglang backends): see `tokenize_generated`.
 
     A kill can cut the last record mid-line (no newline yet: json.dumps escapes newlines, so a
     record's only raw newline is its terminator). That tail is cut off the file on open, so its
@@ -283,11 +290,96 @@ def chat_completions_url(endpoint: str) -> str:
     return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
 
 
+def generate_url(endpoint: str) -> str:
+    """SGLang's native /generate for a base URL with or without a trailing /v1."""
+    base = endpoint.rstrip("/")
+    return (base[: -len("/v1")] if base.endswith("/v1") else base) + "/generate"
+
+
+class FailureLog:
+    """`failed.jsonl`: one line per prompt that still failed after its retries, never dropped silently.
+
+    Lines are {"i": prompt index, "error": str, "attempts": int, "servers": [url]}. The file is
+    started afresh by each regeneration pass: a prompt that failed earlier is not in the
+    regeneration log, so it is asked again, and only what fails again is written again.
+    `path=None` keeps the records in memory only.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.records: list[dict] = []
+        self._lock = threading.Lock()
+        if path is not None:
+            path.write_text("", encoding="utf-8")
+
+    def add(self, index: int, error: str, attempts: int, servers: list[str]) -> None:
+        entry = {"i": index, "error": error, "attempts": attempts, "servers": servers}
+        with self._lock:
+            self.records.append(entry)
+            if self.path is not None:
+                with self.path.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(entry) + "\n")
+
+    @property
+    def indices(self) -> list[int]:
+        return sorted(r["i"] for r in self.records)
+
+
+class ServerPool:
+    """The servers answering regeneration requests: `concurrency` slots each, and which are reachable.
+
+    A request takes a slot on the least busy reachable server, preferring one other than the
+    server its previous attempt failed on, so a retry moves off a dead server. A server that
+    refuses or drops a connection is marked unreachable until it answers again; when every
+    server is unreachable they are all tried (each failure still costs the request an attempt,
+    so this stays bounded).
+    """
+
+    def __init__(self, urls: Sequence[str], concurrency: int) -> None:
+        if not urls:
+            raise ValueError("regeneration needs at least one server URL")
+        self.urls, self.concurrency = list(urls), concurrency
+        self._busy = [0] * len(self.urls)
+        self._unreachable: set[int] = set()
+        self._cv = threading.Condition()
+
+    def _candidates(self, avoid: int | None) -> list[int]:
+        everyone = range(len(self.urls))
+        reachable = [k for k in everyone if k not in self._unreachable]
+        preferred = [k for k in reachable if k != avoid]
+        return preferred or reachable or list(everyone)
+
+    def acquire(self, avoid: int | None = None) -> int:
+        """Index of the server the next attempt goes to (blocks while its candidates are all busy)."""
+        with self._cv:
+            while True:
+                free = [k for k in self._candidates(avoid) if self._busy[k] < self.concurrency]
+                if free:
+                    k = min(free, key=lambda s: self._busy[s])
+                    self._busy[k] += 1
+                    return k
+                self._cv.wait(timeout=1.0)
+
+    def release(self, k: int, reachable: bool) -> None:
+        with self._cv:
+            self._busy[k] -= 1
+            if reachable:
+                self._unreachable.discard(k)
+            else:
+                self._unreachable.add(k)
+            self._cv.notify_all()
+
+
 def _is_transient(exc: Exception) -> bool:
     """Timeouts, connection errors, 5xx and 429 are retried; other errors are not."""
     if isinstance(exc, httpx.HTTPStatusError):
         return exc.response.status_code >= 500 or exc.response.status_code == 429
     return isinstance(exc, (httpx.TimeoutException, httpx.TransportError))
+
+
+def _is_unreachable(exc: Exception) -> bool:
+    """The server is gone (refused or dropped the connection), not merely slow or refusing the request."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError))
 
 
 def _message_content(response: httpx.Response, url: str) -> str:
@@ -301,46 +393,171 @@ def _message_content(response: httpx.Response, url: str) -> str:
     return content
 
 
-def post_chat_completion(
-    client: httpx.Client, url: str, payload: dict, rcfg: RegenerateConfig, log: LogFn, sleep=time.sleep
-) -> str:
-    """POST one chat completion with retries (exponential backoff) on transient errors.
+def _generated_answer(response: httpx.Response, url: str) -> tuple[str, list[int]]:
+    """(text, output_ids) of an SGLang /generate response; RuntimeError if malformed.
 
-    The Authorization header lives on the client; nothing here logs headers.
+    A stop token matched by id ends the ids: if a server reports it in `finish_reason.matched`
+    but leaves it out of `output_ids`, it is appended, since the draft must learn to propose it.
     """
+    try:
+        body = response.json()
+        text, ids, finish = body["text"], body["output_ids"], body.get("meta_info", {}).get("finish_reason")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RuntimeError(f"POST {url}: malformed /generate response: {response.text[:300]!r}") from exc
+    if not isinstance(text, str) or not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise RuntimeError(f"POST {url}: /generate response without text and integer output_ids: "
+                           f"{response.text[:300]!r}")
+    matched = finish.get("matched") if isinstance(finish, dict) and finish.get("type") == "stop" else None
+    if isinstance(matched, int) and not isinstance(matched, bool) and (not ids or ids[-1] != matched):
+        ids = [*ids, matched]
+    return text, ids
+
+
+class RequestFailed(RuntimeError):
+    """A request that failed for good: the message names the last URL and the error."""
+
+    def __init__(self, message: str, attempts: int, servers: list[str]) -> None:
+        super().__init__(message)
+        self.attempts, self.servers = attempts, servers
+
+
+def post_with_failover(
+    client: httpx.Client, pool: ServerPool, route: Callable[[str], str], payload: dict,
+    parse: Callable[[httpx.Response, str], object], rcfg: RegenerateConfig, log: LogFn, sleep=time.sleep,
+) -> object:
+    """POST one request, retrying transient errors (exponential backoff) on another server when there is one.
+
+    Returns `parse(response, url)`; raises RuntimeError naming the last URL, the attempts and the
+    error once the retries are spent or on a non-transient error (4xx, malformed answer). The
+    Authorization header lives on the client; nothing here logs headers.
+    """
+    failed_on, tried = None, []
     for attempt in range(rcfg.retries + 1):
+        k = pool.acquire(avoid=failed_on)
+        url = route(pool.urls[k])
+        tried.append(pool.urls[k])
         try:
             response = client.post(url, json=payload)
             response.raise_for_status()
-            return _message_content(response, url)
+            answer = parse(response, url)
         except (httpx.HTTPStatusError, httpx.TimeoutException, httpx.TransportError) as exc:
+            pool.release(k, reachable=not _is_unreachable(exc))
             status = exc.response.status_code if isinstance(exc, httpx.HTTPStatusError) else type(exc).__name__
             if not _is_transient(exc) or attempt == rcfg.retries:
                 body = exc.response.text[:300] if isinstance(exc, httpx.HTTPStatusError) else str(exc)[:300]
-                raise RuntimeError(f"POST {url} failed after {attempt + 1} attempt(s): {status} {body}") from exc
+                raise RequestFailed(f"POST {url} failed after {attempt + 1} attempt(s): {status} {body}",
+                                    attempt + 1, tried) from exc
             delay = min(rcfg.backoff_s * 2**attempt, 60.0)
             log(f"regenerate: POST {url} -> {status}; retry {attempt + 1}/{rcfg.retries} in {delay:.2f}s")
+            failed_on = k
             sleep(delay)
+            continue
+        except RuntimeError as exc:  # a malformed answer: the server is up but this is not retried
+            pool.release(k, reachable=True)
+            raise RequestFailed(str(exc), attempt + 1, tried) from exc
+        except BaseException:
+            pool.release(k, reachable=True)
+            raise
+        pool.release(k, reachable=True)
+        return answer
     raise AssertionError("unreachable")
 
 
-def regenerate_http(
-    prompts: list[list[Message]], rcfg: RegenerateConfig, record: RegenerationLog, progress: ProgressFn, log: LogFn
+def post_chat_completion(
+    client: httpx.Client, url: str, payload: dict, rcfg: RegenerateConfig, log: LogFn, sleep=time.sleep
+) -> str:
+    """POST one chat completion to `url` with retries (exponential backoff) on transient errors."""
+    return post_with_failover(client, ServerPool([url], 1), lambda u: u, payload, _message_content, rcfg, log, sleep)
+
+
+def _answer_all(
+    requests: dict[int, dict], pool: ServerPool, route: Callable[[str], str], parse: Callable, rcfg: RegenerateConfig,
+    on_answer: Callable[[int, object], None], failures: FailureLog, progress: ProgressFn, total: int, log: LogFn,
 ) -> None:
-    """Answer every prompt not yet in `record` through /v1/chat/completions, `concurrency` at a time."""
-    url = chat_completions_url(rcfg.endpoint or "")
+    """Every request through the pool, `concurrency` per server; each answer or final failure is recorded."""
     headers = {"Authorization": f"Bearer {rcfg.api_key.get_secret_value()}"} if rcfg.api_key else {}
-    todo = [i for i in range(len(prompts)) if i not in record.done]
-    done = len(prompts) - len(todo)
-    progress("regenerate", done, len(prompts))
-    with httpx.Client(headers=headers, timeout=rcfg.timeout_s) as client, ThreadPoolExecutor(rcfg.concurrency) as pool:
-        futures = {
-            pool.submit(post_chat_completion, client, url, _http_payload(prompts[i], rcfg), rcfg, log): i for i in todo
-        }
+    done = total - len(requests)
+    progress("regenerate", done, total)
+    workers = max(1, min(len(requests), rcfg.concurrency * len(pool.urls)))
+    limits = httpx.Limits(max_connections=workers)
+    with httpx.Client(headers=headers, timeout=rcfg.timeout_s, limits=limits) as client, \
+            ThreadPoolExecutor(workers) as threads:
+        futures = {threads.submit(post_with_failover, client, pool, route, payload, parse, rcfg, log): i
+                   for i, payload in requests.items()}
         for future in as_completed(futures):
-            record.add(futures[future], future.result())
+            index = futures[future]
+            try:
+                on_answer(index, future.result())
+            except RequestFailed as err:
+                failures.add(index, str(err), err.attempts, err.servers)
+                log(f"regenerate: prompt {index} failed: {err}")
             done += 1
-            progress("regenerate", done, len(prompts))
+            progress("regenerate", done, total)
+
+
+def check_failures(failures: FailureLog, total: int, rcfg: RegenerateConfig) -> None:
+    """RuntimeError when more prompts failed than data.regenerate.max_failed_fraction allows."""
+    if not failures.records or len(failures.records) <= rcfg.max_failed_fraction * total:
+        return
+    where = f" (listed in {failures.path})" if failures.path else ""
+    raise RuntimeError(
+        f"regenerate: {len(failures.records)}/{total} prompts failed after their retries{where}, more than "
+        f"data.regenerate.max_failed_fraction={rcfg.max_failed_fraction}; rerun to ask only those again. "
+        f"First error: {failures.records[0]['error']}"
+    )
+
+
+def regenerate_http(
+    prompts: list[list[Message]], rcfg: RegenerateConfig, record: RegenerationLog, progress: ProgressFn, log: LogFn,
+    urls: Sequence[str] | None = None, failures: FailureLog | None = None,
+) -> None:
+    """Answer every prompt not yet in `record` through /v1/chat/completions (text only).
+
+    Args:
+        urls: base URLs of the servers (default: data.regenerate.endpoint / endpoints).
+        failures: where prompts that still fail after their retries go (default: memory only).
+    Raises RuntimeError when more than data.regenerate.max_failed_fraction of the prompts failed.
+    """
+    failures = failures if failures is not None else FailureLog(None)
+    pool = ServerPool(list(urls or rcfg.server_urls), rcfg.concurrency)
+    requests = {i: _http_payload(prompts[i], rcfg) for i in range(len(prompts)) if i not in record.done}
+    _answer_all(requests, pool, chat_completions_url, _message_content, rcfg, record.add, failures, progress,
+                len(prompts), log)
+    check_failures(failures, len(prompts), rcfg)
+
+
+def regenerate_sglang(
+    prompts: list[list[Message]], tokenizer, rcfg: RegenerateConfig, max_length: int, stop_ids: list[int],
+    record: RegenerationLog, progress: ProgressFn, log: LogFn,
+    urls: Sequence[str] | None = None, failures: FailureLog | None = None,
+) -> None:
+    """Answer every prompt not yet in `record` through SGLang's /generate, keeping the target's own ids.
+
+    Each prompt goes as token ids, rendered exactly as `tokenize_generated` renders it (chat
+    template + generation prompt, no extra special tokens), and each answer is recorded with its
+    `output_ids`, so a sample is the token stream the target produced. As in `regenerate_local`,
+    prompts of >= max_length tokens get "" and new tokens are capped so prompt + answer fit
+    max_length. Args and raises as `regenerate_http`.
+    """
+    failures = failures if failures is not None else FailureLog(None)
+    pool = ServerPool(list(urls or rcfg.server_urls), rcfg.concurrency)
+    rendered = [render_chat(tokenizer, p, add_generation_prompt=True) for p in prompts]
+    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    todo = [i for i in range(len(prompts)) if i not in record.done]
+    for i in [i for i in todo if len(prompt_ids[i]) >= max_length]:
+        record.add(i, "")
+    requests = {
+        i: _generate_payload(prompt_ids[i], min(rcfg.max_new_tokens, max_length - len(prompt_ids[i])), rcfg, stop_ids)
+        for i in todo if len(prompt_ids[i]) < max_length
+    }
+
+    def on_answer(index: int, answer) -> None:
+        text, ids = answer
+        record.add(index, text, ids)
+
+    _answer_all(requests, pool, generate_url, _generated_answer, rcfg, on_answer, failures, progress,
+                len(prompts), log)
+    check_failures(failures, len(prompts), rcfg)
 
 
 def _http_payload(messages: list[Message], rcfg: RegenerateConfig) -> dict:
@@ -354,15 +571,33 @@ def _http_payload(messages: list[Message], rcfg: RegenerateConfig) -> dict:
     }
 
 
+def _generate_payload(prompt_ids: list[int], max_new_tokens: int, rcfg: RegenerateConfig, stop_ids: list[int]) -> dict:
+    """SGLang /generate request body: token ids in, the target's turn-end ids as stop ids."""
+    return {
+        "input_ids": list(prompt_ids),
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": rcfg.temperature,
+            "top_p": rcfg.top_p,
+            "stop_token_ids": list(stop_ids),
+        },
+    }
+
+
+def _masked_url(url: str) -> str:
+    parsed = httpx.URL(url)
+    return str(parsed.copy_with(userinfo=b"***")) if parsed.userinfo else url
+
+
 def regeneration_settings(rcfg: RegenerateConfig) -> dict:
     """The settings that shape the responses, for summaries and fingerprints (no secrets).
 
-    The API key is reduced to a flag and any user:password in the endpoint URL is masked.
+    The API key is reduced to a flag and any user:password in an endpoint URL is masked.
     """
     settings = rcfg.model_dump(exclude={"api_key"}) | {"api_key_set": rcfg.api_key is not None}
     if rcfg.endpoint:
-        url = httpx.URL(rcfg.endpoint)
-        settings["endpoint"] = str(url.copy_with(userinfo=b"***")) if url.userinfo else rcfg.endpoint
+        settings["endpoint"] = _masked_url(rcfg.endpoint)
+    settings["endpoints"] = [_masked_url(u) for u in rcfg.endpoints]
     return settings
 
 
@@ -782,7 +1017,9 @@ def _prompts_identity(data_cfg: DataConfig) -> str:
 def samples_fingerprint(target_dir: Path, data_cfg: DataConfig) -> str:
     """What decides samples.jsonl: target, prompts, sizes, split, regeneration settings."""
     rcfg = regeneration_settings(data_cfg.regenerate)
-    for unrelated in ("concurrency", "retries", "timeout_s", "batch_size", "backoff_s", "api_key_set"):
+    # Where the target is served does not decide its answers (its identity is in "target").
+    for unrelated in ("concurrency", "retries", "timeout_s", "batch_size", "backoff_s", "api_key_set", "endpoints",
+                      "deploy", "max_failed_fraction"):
         rcfg.pop(unrelated)
     payload = {
         "format": SAMPLES_FORMAT,
@@ -802,36 +1039,59 @@ def _generation_eos(target_dir: Path) -> int | list[int] | None:
 def _final_conversations(
     conversations: list[list[Message]], data_cfg: DataConfig, load_model: Callable, tokenizer,
     stop_ids: list[int], out_dir: Path, fingerprint: str, progress: ProgressFn, log: LogFn,
-) -> tuple[list[list[Message]], dict[int, list[int]]]:
-    """Conversations with the target's answers (regeneration on) or as given (off), and the
-    target's generated token ids per conversation where the backend returns them (local)."""
+    open_endpoints: OpenEndpoints | None = None,
+) -> tuple[list[list[Message]], dict[int, list[int]], list[int]]:
+    """Conversations with the target's answers (regeneration on) or as given (off), the target's
+    generated token ids per returned conversation where the backend returns them (local, sglang),
+    and the indices of the prompts that failed for good (left out of the conversations)."""
     rcfg = data_cfg.regenerate
     if not rcfg.enabled:
         for n, c in enumerate(conversations):
             if c[-1]["role"] != "assistant":
                 raise ValueError(f"data.regenerate.enabled is false but conversation {n} has no final assistant answer")
-        return conversations, {}
+        return conversations, {}, []
     prompts = [prompt_part(c, f"conversation {n}") for n, c in enumerate(conversations)]
     record = RegenerationLog(out_dir / f".regenerated-{fingerprint[:16]}.jsonl")
     if record.done:
         log(f"regenerate: resuming, {len(record.done)}/{len(prompts)} answers already done")
+    failures = FailureLog(None)
     try:
         if rcfg.backend == "local":
             model = load_model()
             regenerate_local(
                 model, tokenizer, prompts, rcfg, data_cfg.max_length, stop_ids, record, progress, data_cfg.seed
             )
-        else:
-            regenerate_http(prompts, rcfg, record, progress, log)
+        elif len(record.done) < len(prompts):
+            failures = FailureLog(out_dir / FAILED_FILE)  # what failed in an earlier pass is asked again
+            with _servers(rcfg, open_endpoints) as urls:
+                log(f"regenerate: {len(prompts) - len(record.done)} prompts through {len(urls)} server(s), "
+                    f"{rcfg.concurrency} in flight each")
+                if rcfg.backend == "sglang":
+                    regenerate_sglang(prompts, tokenizer, rcfg, data_cfg.max_length, stop_ids, record, progress, log,
+                                      urls, failures)
+                else:
+                    regenerate_http(prompts, rcfg, record, progress, log, urls, failures)
     finally:
         record.close()
-    final = [p + [{"role": "assistant", "content": record.done[i]}] for i, p in enumerate(prompts)]
-    return final, dict(record.token_ids)
+    answered = [i for i in range(len(prompts)) if i in record.done]
+    final = [prompts[i] + [{"role": "assistant", "content": record.done[i]}] for i in answered]
+    answer_ids = {n: record.token_ids[i] for n, i in enumerate(answered) if i in record.token_ids}
+    return final, answer_ids, failures.indices
+
+
+def _servers(rcfg: RegenerateConfig, open_endpoints: OpenEndpoints | None) -> contextlib.AbstractContextManager:
+    """The named servers, or the ones `open_endpoints` starts (and stops on exit)."""
+    if rcfg.server_urls:
+        return contextlib.nullcontext(rcfg.server_urls)
+    if open_endpoints is None:
+        raise ValueError("data.regenerate.deploy: the servers are started by the data stage (tasks.data); "
+                         "called directly, generate_dataset needs open_endpoints or data.regenerate.endpoints")
+    return open_endpoints()
 
 
 def _prepare_samples(
     target_dir: Path, data_cfg: DataConfig, tokenizer, stop_ids: list[int], load_model: Callable,
-    out_dir: Path, progress: ProgressFn, log: LogFn,
+    out_dir: Path, progress: ProgressFn, log: LogFn, open_endpoints: OpenEndpoints | None = None,
 ) -> tuple[list[dict], dict]:
     """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split."""
     fingerprint = samples_fingerprint(target_dir, data_cfg)
@@ -844,15 +1104,17 @@ def _prepare_samples(
     progress("prompts", 0, 1)
     conversations = load_conversations(data_cfg, log)
     progress("prompts", 1, 1)
-    final, answer_ids = _final_conversations(
-        conversations, data_cfg, load_model, tokenizer, stop_ids, out_dir, fingerprint, progress, log
+    final, answer_ids, failed = _final_conversations(
+        conversations, data_cfg, load_model, tokenizer, stop_ids, out_dir, fingerprint, progress, log, open_endpoints
     )
+    if failed:
+        log(f"regenerate: {len(failed)} prompt(s) failed after their retries and are left out: {out_dir / FAILED_FILE}")
     samples, dropped = build_samples(tokenizer, final, data_cfg, stop_ids, progress, answer_ids)
     if not any(s["split"] == "train" for s in samples):
         raise ValueError(f"no usable training sample: all {len(final)} conversations had no assistant token "
                          f"within data.max_length={data_cfg.max_length}")
     meta = {"fingerprint": fingerprint, "sha256": write_samples(samples, samples_path), "dropped": dropped,
-            "num_conversations": len(final)}
+            "num_conversations": len(final), "failed": failed}
     _atomic_write_text(meta_path, json.dumps(meta, indent=2))
     (out_dir / f".regenerated-{fingerprint[:16]}.jsonl").unlink(missing_ok=True)
     return samples, meta
@@ -918,6 +1180,7 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
     return {
         **_token_stats(samples),
         "num_dropped": meta["dropped"],
+        "num_failed": len(meta.get("failed", [])),
         **{k: facts[k] for k in ("architecture", "hidden_size", "aux_layer_ids", "hf_indices")},
         "hidden_states": data_cfg.hidden_states,
         "hidden_states_dtype": data_cfg.hidden_states_dtype,
@@ -932,6 +1195,7 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
             "samples": str(out_dir / SAMPLES_FILE),
             "vocab": str(out_dir / "vocab"),
             "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states == "offline" else None,
+            "failed": str(out_dir / FAILED_FILE) if meta.get("failed") else None,
         },
     }
 
@@ -943,6 +1207,7 @@ def generate_dataset(
     out_dir: Path,
     on_progress: ProgressFn | None = None,
     log: LogFn = print,
+    open_endpoints: OpenEndpoints | None = None,
 ) -> dict:
     """Prompts -> regenerated answers -> samples.jsonl -> vocab/ -> hidden_states/ (offline).
 
@@ -954,6 +1219,8 @@ def generate_dataset(
         on_progress: (stage, done, total) with stages prompts, regenerate, tokenize,
             vocab, hidden_states.
         log: one-line messages (never contains the API key).
+        open_endpoints: starts the target's servers for data.regenerate.deploy (called only when
+            prompts are left to answer) and stops them when its context exits.
     Returns:
         JSON-able summary: counts, tokens, layer ids, bytes, template hash, settings, paths.
     """
@@ -976,7 +1243,8 @@ def generate_dataset(
 
     # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
     with cpu_threads() if device == "cpu" else contextlib.nullcontext():
-        samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log)
+        samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
+                                         open_endpoints)
         vocab_info, dump = _vocab_and_states(
             samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log
         )

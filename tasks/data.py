@@ -5,11 +5,20 @@ the content-addressed cache under `<runs_root>/cache/targets`) here, so the whol
 needs nothing from a hub. Everything the data depends on is logged to the stage's MLflow
 run: the aux layer ids in SGLang's convention *and* as HF indices, the chat-template hash,
 regeneration settings (no secrets) and the draft vocab map.
+
+With `data.regenerate.deploy`, the stage starts N baseline servers of the target (`deploy.server`:
+SGLang or the reference server; no draft) on `data.regenerate.deploy.host` through the deploy
+stage's `launch`, regenerates through them, and stops them in a `finally`; they are started only
+when prompts are left to answer, and are recorded in the run's servers.json like every server, so
+the flow's teardown also stops those of a killed run.
+Risk: GPUs held by servers left running; hence the finally, the registry and one GPU set per server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import task
@@ -17,8 +26,10 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.data import generate_dataset
 from eagle3.tiny_target import build_tiny_target
-from tasks.config import ExperimentConfig
+from tasks.config import ExperimentConfig, HostConfig
+from tasks.deploy import Placement, ServerHandle, launch, stop
 from tasks.pipeline import StageContext, logger
+from tasks.remote import Executor, connect
 from tasks.rundir import digest_json, digest_paths
 
 
@@ -42,12 +53,13 @@ def resolve_target_dir(cfg: ExperimentConfig, ctx: StageContext) -> Path:
 def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     target_dir = resolve_target_dir(cfg, ctx)
     dataset_dir = ctx.stage_dir / "dataset"
-    summary = generate_dataset(target_dir, cfg.target, cfg.data, dataset_dir, on_progress=ctx.progress(), log=logger().info)
+    summary = generate_dataset(target_dir, cfg.target, cfg.data, dataset_dir, on_progress=ctx.progress(),
+                               log=logger().info, open_endpoints=lambda: regeneration_servers(cfg, ctx, target_dir))
     _log_to_mlflow(ctx, target_dir, summary)
     metrics = {
         key: summary[key]
         for key in ("num_train", "num_val", "num_samples", "tokens", "assistant_tokens", "loss_mask_fraction",
-                    "hidden_states_bytes", "bytes_written", "num_dropped")
+                    "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
         if isinstance(summary.get(key), (int, float))
     }
     vocab = summary.get("vocab", {})
@@ -59,6 +71,76 @@ def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         "outputs": {"target_dir": str(target_dir), "dataset_dir": str(dataset_dir), **{k: v for k, v in summary["paths"].items() if v}},
         "output_digest": dataset_digest(target_dir, summary),
     }
+
+
+# ------------------------------------------------------------------ regeneration servers
+
+
+@contextlib.contextmanager
+def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: Path) -> Iterator[list[str]]:
+    """data.regenerate.deploy: start N baseline servers of the target, yield the URLs this process
+    reaches them at (SSH tunnels for remote hosts), stop every one of them on exit."""
+    wanted = cfg.data.regenerate.deploy
+    if wanted is None:
+        raise ValueError("data.regenerate.deploy is not set: no servers to start")
+    host = regeneration_host(cfg, wanted.host)
+    executor = connect(host, cfg.hosts)
+    handles: list[ServerHandle] = []
+    try:
+        placement = target_placement(cfg, executor, host, ctx, target_dir)
+        port = cfg.deploy.port
+        for k in range(wanted.servers):
+            port = next_free_port(executor, port)
+            handles.append(launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
+                                  spec=None, predicted=None))
+            port += 1
+        yield [h.local_url for h in handles]
+    finally:
+        for handle in handles:
+            stop(ctx.run_dir, handle, executor)
+        executor.close()
+
+
+def regeneration_host(cfg: ExperimentConfig, name: str) -> HostConfig | None:
+    if name == "local":
+        return None
+    names = [h.name for h in cfg.hosts]
+    if name not in names:
+        raise ValueError(f"data.regenerate.deploy.host '{name}' is neither 'local' nor one of hosts[].name {names}")
+    return cfg.host(name)
+
+
+def target_placement(cfg: ExperimentConfig, executor: Executor, host: HostConfig | None, ctx: StageContext,
+                     target_dir: Path) -> Placement:
+    """Where the host finds the target: in place locally; a tiny target is uploaded (verified, resumable)
+    to <workdir>/targets/ on a remote host, any other is read at deploy.model_path or target.model_path."""
+    if host is None:
+        return Placement(executor, None, str(ctx.stage_dir / "servers"), cfg.deploy.model_path or str(target_dir), "")
+    workdir = executor.expand_path(host.workdir)
+    model = cfg.deploy.model_path or cfg.target.model_path or ""
+    if cfg.target.kind == "tiny" and cfg.deploy.model_path is None:  # our own target travels
+        model = f"{workdir}/targets/{target_dir.name}"
+        results = executor.upload_dir(target_dir, model)
+        logger().info(f"[{executor.name}] {target_dir.name} -> {model}: {len(results)} files, "
+                      f"{sum(r.bytes_sent for r in results) / 1e6:.1f} MB sent")
+    return Placement(executor, host, workdir, model, "")
+
+
+def next_free_port(executor: Executor, port: int, tries: int = 200) -> int:
+    """The first port from `port` on that nothing listens on at the host (a killed run's servers may)."""
+    for candidate in range(port, min(port + tries, 65536)):
+        if not executor.port_in_use(candidate):
+            return candidate
+    raise RuntimeError(f"no free port in {port}..{port + tries - 1} on {executor.name} for a regeneration server")
+
+
+def server_config(cfg: ExperimentConfig, port: int, k: int) -> ExperimentConfig:
+    """The config `launch` reads for server k: its port and, for SGLang, its own GPUs (k*tp .. k*tp+tp-1)
+    unless deploy.env pins CUDA_VISIBLE_DEVICES."""
+    env = dict(cfg.deploy.env)
+    if cfg.deploy.server == "sglang" and "CUDA_VISIBLE_DEVICES" not in env:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * cfg.deploy.tp + j) for j in range(cfg.deploy.tp))
+    return cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"port": port, "env": env})})
 
 
 def dataset_digest(target_dir: Path, summary: dict) -> str:

@@ -50,7 +50,8 @@ class StageSpec:
 
 
 # Regeneration settings that change how fast answers arrive, not which answers.
-_DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in ("concurrency", "retries", "timeout_s", "backoff_s", "api_key"))
+_DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in (
+    "concurrency", "retries", "timeout_s", "backoff_s", "api_key", "endpoint", "endpoints", "deploy", "max_failed_fraction"))
 
 STAGE_SPECS: dict[str, StageSpec] = {
     "check_environment": StageSpec(config=("target", "data", "train", "deploy", "hosts", "runs_root"), always_run=True),

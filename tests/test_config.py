@@ -67,7 +67,7 @@ BROKEN = [
     ("  kind: tiny", "  kind: gguf", 3, "target.kind: must be 'tiny' or 'hf' (got 'gguf')"),
     ("  kind: tiny", "  kind: hf", 3, "target.model_path is required when target.kind is 'hf'"),
     ("    backend: local", "    backend: http", 7, "data.regenerate.endpoint is required when data.regenerate.backend is 'http'"),
-    ("    backend: local", "    backend: grpc", 7, "data.regenerate.backend: must be 'local' or 'http' (got 'grpc')"),
+    ("    backend: local", "    backend: grpc", 7, "data.regenerate.backend: must be 'local', 'http' or 'sglang' (got 'grpc')"),
     ("  host: local", "  host: gpu-9", 11, "deploy.host 'gpu-9' is neither 'local' nor one of hosts[].name"),
     ("    num_steps: 3", "    num_steps: 0", 13, "deploy.speculative.num_steps: must be >= 1 (got 0)"),
     ("    num_draft_tokens: 4", "    num_draft_tokens: 1", 15, "deploy.speculative.num_draft_tokens: must be >= 2 (got 1)"),
