@@ -14,7 +14,6 @@ is not faster than the baseline or whose online accept length falls short of the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +272,3 @@ def headline_metrics(rows: list[dict], offline: dict, verdict: dict) -> dict[str
                "alarms": float(len(verdict.get("causes", [])))}
     return {k: float(v) for k, v in metrics.items() if v is not None}
 
-
-def as_json(data: Any) -> str:
-    return json.dumps(data, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
