@@ -7,7 +7,6 @@ top cause. A healthy run gets no misdiagnosis. No server survives a run (checked
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -17,17 +16,12 @@ from mlflow.tracking import MlflowClient
 
 from flows.experiment import eagle3_experiment
 from tasks.pipeline import StageFailed
+from tests.helpers import TEST_TARGET_YAML, free_port
 
 CONFIG = """\
 experiment: deploybench
 runs_root: {runs}
-target:
-  kind: tiny
-  dtype: float32
-  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
-          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
-          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
-data:
+{target}data:
   num_samples: 48
   max_length: 160
   validation_fraction: 0.25
@@ -51,10 +45,6 @@ SEED = "{num_steps: 1, eagle_topk: 1, num_draft_tokens: 16}"
 SEED_ALLOWED = "{num_steps: 1, eagle_topk: 1, num_draft_tokens: 16, allow_adjustments: true}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +58,8 @@ def workdir(tmp_path_factory) -> Path:
 def write_config(workdir: Path, name: str, *, speculative: str = HEALTHY, preflight: str = "enforce",
                  host: str = "local", hosts: str = "", extra_args: str = "[]", port: int | None = None) -> Path:
     path = workdir / f"{name}.yaml"
-    path.write_text(CONFIG.format(runs=workdir / "runs", host=host, port=port or free_port(), speculative=speculative,
+    path.write_text(CONFIG.format(
+        target=TEST_TARGET_YAML, runs=workdir / "runs", host=host, port=port or free_port(), speculative=speculative,
                                   preflight=preflight, hosts=hosts, extra_args=extra_args,
                                   prompts=workdir / "prompts.jsonl"))
     return path

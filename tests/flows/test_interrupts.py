@@ -20,17 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from tests.helpers import TEST_TARGET_YAML
 
 CONFIG = """\
 experiment: interrupts
 runs_root: {runs}
-target:
-  kind: tiny
-  dtype: float32
-  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
-          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
-          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
-data:
+{target}data:
   num_samples: 24
   max_length: 128
   regenerate: {{max_new_tokens: 16}}
@@ -56,7 +51,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def write_config(workdir: Path, max_steps: int) -> Path:
     path = workdir / f"interrupts-{max_steps}.yaml"
-    path.write_text(CONFIG.format(runs=workdir / "runs", max_steps=max_steps))
+    path.write_text(CONFIG.format(target=TEST_TARGET_YAML, runs=workdir / "runs", max_steps=max_steps))
     return path
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from mlflow.tracking import MlflowClient
 
 from tests.eagle3.test_data import serve_in_thread
+from tests.helpers import TEST_TARGET_YAML, free_port
 
 API_KEY = "sk-leakscan-7f3a9c2e41"
 URL_PASSWORD = "pw-leakscan-b81d6f"
@@ -30,13 +31,7 @@ SECRETS = (API_KEY, URL_PASSWORD, PASSPHRASE, f"leaker:{URL_PASSWORD}")
 CONFIG = """\
 experiment: leakscan
 runs_root: {runs}
-target:
-  kind: tiny
-  dtype: float32
-  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
-          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
-          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
-data:
+{target}data:
   num_samples: 12
   max_length: 160
   validation_fraction: 0.25
@@ -103,14 +98,6 @@ def locked_key(sshd, tmp_path):
     authorized.write_text(original)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def assert_clean(text: str, where: str) -> None:
     for secret in SECRETS:
         assert secret not in text, f"secret {secret[:6]}... leaked into {where}"
@@ -136,7 +123,8 @@ def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authentic
     remote = tmp_path / "remote"
     host = sshd.host_config()
     config = tmp_path / "leakscan.yaml"
-    config.write_text(CONFIG.format(runs=tmp_path / "runs", endpoint=endpoint, port=free_port(), ssh_port=host.port,
+    config.write_text(CONFIG.format(
+        target=TEST_TARGET_YAML, runs=tmp_path / "runs", endpoint=endpoint, port=free_port(), ssh_port=host.port,
                                     user=host.user, key_file=locked_key, known_hosts=host.known_hosts,
                                     workdir=remote, python=sys.executable, prompts=prompts,
                                     tracking=mlflow_server.uri.replace("http://", f"http://leaker:{URL_PASSWORD}@")))

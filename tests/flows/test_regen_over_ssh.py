@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,19 +27,14 @@ from prefect.settings import PREFECT_API_URL
 from eagle3.data import read_samples
 from eagle3.tiny_target import load_target
 from flows.experiment import eagle3_experiment
+from tests.helpers import TEST_TARGET_YAML, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_SAMPLES = 16
 CONFIG = """\
 experiment: regenssh
 runs_root: {runs}
-target:
-  kind: tiny
-  dtype: float32
-  tiny: {{vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
-          num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
-          batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}}
-data:
+{target}data:
   num_samples: {num_samples}
   max_length: 256
   validation_fraction: 0.25
@@ -73,10 +67,6 @@ FLOW_WORKER = textwrap.dedent(
 PREFILL = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+),")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def servers_alive(marker: str) -> list[int]:
@@ -125,7 +115,8 @@ def test_data_stage_regenerates_through_servers_it_deploys_over_ssh(prefect_harn
     runs, remote = tmp_path / "runs", tmp_path / "remote-workdir"
     host = sshd.host_config()
     config = tmp_path / "regen.yaml"
-    config.write_text(CONFIG.format(runs=runs, num_samples=NUM_SAMPLES, port=free_port(), repo=REPO,
+    config.write_text(CONFIG.format(
+        target=TEST_TARGET_YAML, runs=runs, num_samples=NUM_SAMPLES, port=free_port(), repo=REPO,
                                     address=host.address, ssh_port=host.port, user=host.user, key_file=host.key_file,
                                     known_hosts=host.known_hosts, remote=remote, python=sys.executable))
     worker = tmp_path / "flow_worker.py"

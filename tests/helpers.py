@@ -1,0 +1,22 @@
+"""Small pieces several test modules share: the test-size tiny target as a config block, a free port."""
+
+from __future__ import annotations
+
+import socket
+
+# The test-size tiny target (builds in seconds): 7 layers so SGLang's default aux layers are distinct.
+TEST_TARGET_YAML = """\
+target:
+  kind: tiny
+  dtype: float32
+  tiny: {vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 7, num_attention_heads: 2,
+         num_key_value_heads: 1, max_position_embeddings: 256, corpus_max_bytes: 60000, train_steps: 10,
+         batch_size: 4, seq_len: 64, eval_tokens: 1024, num_threads: 1}
+"""
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
