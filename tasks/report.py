@@ -26,6 +26,9 @@ def render_report(experiment: str, manifest: dict) -> str:
         headline = ", ".join(f"{k}={_fmt(v)}" for k, v in list(metrics.items())[:4]) or entry.get("reason", "")
         wall = entry.get("wall_time_s")
         lines.append(f"| {name} | {entry.get('status', 'pending')} | {'' if wall is None else f'{wall:.1f}'} | {headline} |")
+    verdict = manifest["stages"].get("run_benchmark", {}).get("summary", {}).get("verdict")
+    if verdict:
+        lines += ["", f"**Verdict:** {verdict['summary']}"]
     return "\n".join(lines) + "\n"
 
 
