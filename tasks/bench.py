@@ -57,6 +57,26 @@ def bench_prompts(cfg: ExperimentConfig, samples: Path | None) -> list[list[dict
     return prompts
 
 
+def fitting_prompts(cfg: ExperimentConfig, prompts: list, context_len: int | None) -> list:
+    """Prompts whose ids plus bench.max_new_tokens fit the served context: builtin ones that do not are
+    left out; a user's file with one that does not is an error naming it (the server would refuse it)."""
+    if not context_len or not prompts or not isinstance(prompts[0], list) or not isinstance(prompts[0][0], int):
+        return prompts
+    fits = [len(p) + cfg.bench.max_new_tokens <= context_len for p in prompts]
+    if cfg.bench.prompts != "builtin" and not all(fits):
+        bad = [i + 1 for i, ok in enumerate(fits) if not ok]
+        raise ValueError(f"bench.prompts: prompts {bad[:10]} of {cfg.bench.prompts} plus bench.max_new_tokens="
+                         f"{cfg.bench.max_new_tokens} exceed the served context of {context_len} tokens")
+    kept = [p for p, ok in zip(prompts, fits) if ok]
+    if not kept:
+        raise ValueError(f"bench.max_new_tokens={cfg.bench.max_new_tokens}: no builtin prompt fits the served context "
+                         f"of {context_len} tokens with it; lower it")
+    if len(kept) < len(prompts):
+        logger().warning(f"benchmark: {len(prompts) - len(kept)} builtin prompts do not fit the served context of "
+                         f"{context_len} tokens with {cfg.bench.max_new_tokens} new tokens; left out")
+    return kept
+
+
 def request_inputs(cfg: ExperimentConfig, conversations: list[list[dict]], tokenizer_dir: Path | None):
     """Token ids through the target's chat template when the tokenizer is here; else the chat endpoint."""
     if cfg.bench.endpoint == "chat" or tokenizer_dir is None:
@@ -209,6 +229,7 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     conversations = bench_prompts(cfg, Path(samples) if samples else None)
     endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir and target_dir.is_dir() else None)
     spec_handle = _deployed_handle(ctx, deployed)
+    prompts = fitting_prompts(cfg, prompts, spec_handle.server_info.get("context_len"))
     placement = _placement_of(ctx, deployed, spec_handle)
     target_config = json.loads((target_dir / "config.json").read_text()) if target_dir else {}
 

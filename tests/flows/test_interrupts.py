@@ -42,6 +42,7 @@ export:
   dtype: float32
 """
 SERVER_MARK = "prefect.server.api.server:create_app"
+ML_STAGES = "check_environment,generate_data,train_draft,export_checkpoint"
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def assert_no_new_server(before: set[int], timeout: float = 20) -> None:
 
 def resume(config: Path, run_dir: Path, workdir: Path, tag: str) -> tuple[int, str]:
     log = workdir / f"resume-{tag}.log"
-    proc = start_cli(["run", str(config), "--run-dir", str(run_dir)], log)
+    proc = start_cli(["run", str(config), "--run-dir", str(run_dir), "--stages", ML_STAGES], log)
     return proc.wait(timeout=600), log.read_text()
 
 
@@ -120,7 +121,7 @@ def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
     config = write_config(workdir, max_steps=120)
     log = workdir / "sigint.log"
     before = prefect_servers()
-    proc = start_cli(["run", str(config)], log)
+    proc = start_cli(["run", str(config), "--stages", ML_STAGES], log)
     wait_for_line(log, r"step 20/120", proc)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 130
