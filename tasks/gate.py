@@ -32,12 +32,11 @@ from tasks.deploy import (
 )
 from tasks.mlflow_journal import journal_path
 from tasks.pipeline import StageContext, logger
-from tasks.registry import lineage_tags, recorded_decision
+from tasks.registry import DOWNLOAD_MARKER, lineage_tags, recorded_decision
 from tasks.rundir import RunDirectory, write_json_atomic
 from tasks.tracking import RunLogger, start_child_run
 
 GATE_STAGE = "nightly_gate"
-DOWNLOAD_MARKER = ".download-complete"  # written by tasks.registry.download_version
 
 
 # ------------------------------------------------------------------ the training config

@@ -34,6 +34,7 @@ PREVIOUS = "previous"
 GATE_TAG = "eagleops.gate"
 MAX_TAG_LENGTH = 5000  # MLflow's limit on a tag value
 SGLANG_FILES = ("config.json", "model.safetensors")
+DOWNLOAD_MARKER = ".download-complete"  # written last into a downloaded version's folder
 
 
 def _retry_on_outage(task, task_run, state) -> bool:
@@ -65,7 +66,10 @@ def champion_version(client: MlflowClient, name: str) -> str | None:
     try:
         return client.get_model_version_by_alias(name, CHAMPION).version
     except MlflowException as err:
-        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+        no_model = err.error_code == "RESOURCE_DOES_NOT_EXIST"
+        # A model without the alias answers INVALID_PARAMETER_VALUE "Registered model alias champion not found."
+        no_alias = err.error_code == "INVALID_PARAMETER_VALUE" and "alias" in str(err) and "not found" in str(err)
+        if no_model or no_alias:
             return None
         raise
 
@@ -76,18 +80,26 @@ def download_version(tracking_uri: str, name: str, version: str, destination: Pa
     Reused as is when an earlier download completed (the marker file is written last), so a
     resumed nightly trains from byte-identical weights.
     """
-    marker = destination / ".download-complete"
+    marker = destination / DOWNLOAD_MARKER
     if marker.is_file():
         return destination
-    if destination.exists():
-        shutil.rmtree(destination)  # a partial download of an earlier, interrupted attempt
-    destination.mkdir(parents=True)
-    download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(destination), tracking_uri=tracking_uri)
-    missing = [f for f in SGLANG_FILES if not (destination / f).is_file()]
+    staging = destination.with_name(destination.name + ".partial")
+    for leftover in (destination, staging):  # a partial download of an earlier, interrupted attempt
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    staging.mkdir(parents=True)
+    # The version's source, resolved here: download_artifacts("models:/...") asks the *registry* URI, which
+    # defaults to MLFLOW_REGISTRY_URI / the default tracking store, not the tracking_uri it is given.
+    source = MlflowClient(tracking_uri).get_model_version_download_uri(name, version)
+    # A folder URI lands as <staging>/<its last name>/...; the path returned is that folder.
+    local = Path(download_artifacts(artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri))
+    missing = [f for f in SGLANG_FILES if not (local / f).is_file()]
     if missing:
-        found = sorted(str(p.relative_to(destination)) for p in destination.rglob("*") if p.is_file())[:20]
-        raise FileNotFoundError(f"models:/{name}/{version} downloaded without {missing} at its top level "
-                                f"(found {found}); its source is not an SGLang checkpoint directory")
+        found = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())[:20]
+        raise FileNotFoundError(f"models:/{name}/{version} ({source}) has no {missing} at its top level "
+                                f"(downloaded {found}); its source is not an SGLang checkpoint directory")
+    local.rename(destination)
+    shutil.rmtree(staging, ignore_errors=True)
     marker.write_text(f"models:/{name}/{version}\n")
     return destination
 

@@ -27,8 +27,8 @@ from mlflow.tracking import MlflowClient
 
 from eagle3.export import read_target_config, validate_sglang_checkpoint
 from flows.nightly import nightly_retrain
-from tasks.config import NightlyConfig
-from tasks.gate import decide
+from tasks.config import NightlyConfig, load_experiment
+from tasks.gate import decide, training_config
 from tasks.rundir import digest_paths, file_sha256
 from tests.mlflow_server import MlflowServer, free_port
 
@@ -56,7 +56,7 @@ deploy:
   port: {port}
   speculative: {{num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}}
   startup_timeout_s: 240
-bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 16, warmup_runs: 1, timed_runs: 1}}
+bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 10, warmup_runs: 1, timed_runs: 1}}
 tracking: {{uri: {tracking}}}
 nightly: {{start_from: {start_from}, min_tok_s_gain: -0.5, accept_length_tolerance: 0.0, min_accept_length: 1.0}}
 """
@@ -72,9 +72,10 @@ class PostgresMlflowServer(MlflowServer):
         self.database = database
 
     def start(self) -> None:
+        # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; the driver installed is psycopg2.
         command = [
             sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", f"postgresql://postgres@127.0.0.1:5432/{self.database}",
+            "--backend-store-uri", f"postgresql+psycopg2://postgres@127.0.0.1:5432/{self.database}",
             "--artifacts-destination", str(self.root / "mlartifacts"),
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
         ]
@@ -194,7 +195,9 @@ def test_worse_draft_is_refused_and_the_champion_unchanged(nightlies, postgres_m
 
 
 @pytest.mark.slow
-def test_champion_downloads_as_a_directory_sglang_loads(nightlies, postgres_mlflow, tmp_path):
+def test_champion_downloads_as_a_directory_sglang_loads(nightlies, postgres_mlflow, tmp_path, monkeypatch):
+    # models:/ URIs resolve through the registry URI (not download_artifacts' tracking_uri argument).
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", postgres_mlflow.uri)
     local = Path(download_artifacts(artifact_uri=f"models:/{MODEL}@champion", dst_path=str(tmp_path),
                                     tracking_uri=postgres_mlflow.uri))
     assert (local / "config.json").is_file() and (local / "model.safetensors").is_file()
@@ -253,3 +256,36 @@ def test_first_draft_below_the_floor_does_not_become_champion():
     assert refused == {"promote": False, "comparisons": [],
                        "reason": "refused: accept length 1.05 below nightly.min_accept_length 1.2 at concurrency 1"}
     assert decide(gate, rows(50.0, 1.3), None)["reason"].startswith("promoted: first champion")
+
+
+# ------------------------------------------------------------------ where training starts
+
+
+def write_plain_config(folder: Path, start_from: str) -> Path:
+    config = folder / "nightly.yaml"
+    config.write_text(CONFIG.format(runs=folder / "runs", steps=3, lr=0.003, model=MODEL, port=30000,
+                                    prompts=folder / "prompts.jsonl", tracking="http://127.0.0.1:5000",
+                                    start_from=start_from))
+    return config
+
+
+def test_training_starts_from_the_champion_through_an_overlay_of_the_config(tmp_path):
+    config = write_plain_config(tmp_path, "champion")
+    cfg = load_experiment(config)
+    champion = {"version": "4", "dir": str(tmp_path / "champion-v4"), "uri": f"models:/{MODEL}/4"}
+    assert training_config(cfg, str(config), None, None) == (str(config), None)  # no champion yet: scratch
+    overlay, variant = training_config(cfg, str(config), champion, None)
+    started = load_experiment(overlay, variant)
+    assert started.train.init_checkpoint == champion["dir"]
+    assert started.model_copy(update={"train": cfg.train}) == cfg  # nothing else differs
+    # A resumed nightly keeps the overlay it started with (same starting weights), whatever the champion is now.
+    run_dir = tmp_path / "runs" / "nightly" / "20260101-000000-abcdef"
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"config_path": overlay, "stages": {}}))
+    assert training_config(cfg, str(config), {**champion, "version": "5"}, str(run_dir)) == (overlay, 0)
+
+
+def test_scratch_ignores_the_champion(tmp_path):
+    config = write_plain_config(tmp_path, "scratch")
+    champion = {"version": "4", "dir": str(tmp_path / "champion-v4"), "uri": f"models:/{MODEL}/4"}
+    assert training_config(load_experiment(config), str(config), champion, None) == (str(config), None)
