@@ -88,8 +88,8 @@ def download_version(tracking_uri: str, name: str, version: str, destination: Pa
         if leftover.exists():
             shutil.rmtree(leftover)
     staging.mkdir(parents=True)
-    # The version's source, resolved here: download_artifacts("models:/...") asks the *registry* URI, which
-    # defaults to MLFLOW_REGISTRY_URI / the default tracking store, not the tracking_uri it is given.
+    # The version's source, resolved here: download_artifacts("models:/...") looks the name up in the default
+    # store (MLFLOW_TRACKING_URI, else ./mlflow.db, created on the spot), not in the tracking_uri it is given.
     source = MlflowClient(tracking_uri).get_model_version_download_uri(name, version)
     # A folder URI lands as <staging>/<its last name>/...; the path returned is that folder.
     local = Path(download_artifacts(artifact_uri=source, dst_path=str(staging), tracking_uri=tracking_uri))

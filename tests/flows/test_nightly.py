@@ -196,8 +196,9 @@ def test_worse_draft_is_refused_and_the_champion_unchanged(nightlies, postgres_m
 
 @pytest.mark.slow
 def test_champion_downloads_as_a_directory_sglang_loads(nightlies, postgres_mlflow, tmp_path, monkeypatch):
-    # models:/ URIs resolve through the registry URI (not download_artifacts' tracking_uri argument).
-    monkeypatch.setenv("MLFLOW_REGISTRY_URI", postgres_mlflow.uri)
+    # models:/ URIs resolve through the default tracking/registry store, not download_artifacts' tracking_uri
+    # argument: without this, MLflow 3.17 creates ./mlflow.db and answers "Registered Model ... not found".
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", postgres_mlflow.uri)
     local = Path(download_artifacts(artifact_uri=f"models:/{MODEL}@champion", dst_path=str(tmp_path),
                                     tracking_uri=postgres_mlflow.uri))
     assert (local / "config.json").is_file() and (local / "model.safetensors").is_file()
@@ -217,6 +218,19 @@ def test_no_server_outlives_the_nightlies(nightlies):
     for run_dir in runs:
         servers = json.loads((Path(run_dir) / "servers.json").read_text())
         assert servers and all(s["status"] == "stopped" for s in servers.values())
+
+
+@pytest.mark.slow
+def test_resumed_nightly_reapplies_its_recorded_decision_without_measuring_again(nightlies, postgres_mlflow):
+    third = nightlies["random"]
+    again = nightly_retrain(str(third["config"]), run_dir=third["result"]["run_dir"])
+    assert again["reason"] == third["result"]["reason"] and not again["promoted"]
+    assert again["rows"] == {} and again["challenger"] == "3"  # the export was reused: no new version
+    client = MlflowClient(postgres_mlflow.uri)
+    assert sorted(v.version for v in client.search_model_versions(f"name = '{MODEL}'")) == ["1", "2", "3"]
+    assert dict(client.get_registered_model(MODEL).aliases) == {"champion": "2", "previous": "1"}
+    stages = manifest(third["result"]["run_dir"])["stages"]
+    assert [a["attempt"] for a in stages["train_draft"]["attempts"]] == [1]
 
 
 # ------------------------------------------------------------------ the decision alone
