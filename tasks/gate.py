@@ -32,7 +32,7 @@ from tasks.deploy import (
 )
 from tasks.mlflow_journal import journal_path
 from tasks.pipeline import StageContext, logger
-from tasks.registry import DOWNLOAD_MARKER, lineage_tags, recorded_decision
+from tasks.registry import DOWNLOAD_MARKER, GATE_TAG, lineage_tags, recorded_decision
 from tasks.rundir import RunDirectory, write_json_atomic
 from tasks.tracking import RunLogger, start_child_run
 
@@ -190,13 +190,13 @@ def champion_gate(cfg: ExperimentConfig, experiment: dict[str, Any], champion: d
     A challenger version that carries a decision already (a resumed nightly) is not measured again:
     its recorded decision is returned, for promote_or_keep to re-apply idempotently.
     """
-    ctx = open_gate(cfg, experiment, flow_run_id)
     recorded = recorded_decision(cfg, challenger)
     if recorded is not None:
-        logger().info(f"version {challenger} was decided before ({recorded}); not measured again")
-        ctx.mlflow.finish("FINISHED")
-        return {"promote": recorded.startswith("promoted"), "reason": recorded, "comparisons": [], "rows": {},
-                "lineage": {}, "bench_run_id": ctx.mlflow_run_id, "labels": {}}  # lineage was written with it
+        reason = recorded[GATE_TAG]
+        logger().info(f"version {challenger} was decided before ({reason}); not measured again")
+        return {"promote": reason.startswith("promoted"), "reason": reason, "comparisons": [], "rows": {},
+                "lineage": {}, "bench_run_id": recorded.get("eagleops.benchmark_run_id", ""), "labels": {}}
+    ctx = open_gate(cfg, experiment, flow_run_id)
     labels = {"challenger": f"challenger v{challenger}"}
     drafts = {}
     if champion is not None:
@@ -235,7 +235,7 @@ def _log_gate(ctx: StageContext, gate: dict[str, Any]) -> None:
                 if isinstance(row.get(key), (int, float)):
                     metrics[f"{role}.c{row['concurrency']}.{key}"] = row[key]
     ctx.mlflow.log_metrics(metrics)
-    ctx.mlflow.set_tags({"eagleops.gate": gate["reason"][:5000],
+    ctx.mlflow.set_tags({GATE_TAG: gate["reason"][:5000],
                          "eagleops.gate.decision": "promoted" if gate["promote"] else "refused"})
     ctx.mlflow.log_dict({k: gate[k] for k in ("promote", "reason", "comparisons", "rows", "labels")}, "gate/gate.json")
     ctx.write_json("gate.json", {k: v for k, v in gate.items()})

@@ -130,10 +130,10 @@ def challenger_version(cfg: ExperimentConfig, experiment: dict[str, Any]) -> str
     return version
 
 
-def recorded_decision(cfg: ExperimentConfig, version: str) -> str | None:
-    """The gate decision already written on a version (a resumed nightly whose gate had run), or None."""
+def recorded_decision(cfg: ExperimentConfig, version: str) -> dict[str, str] | None:
+    """The tags of a version the gate decided already (a resumed nightly whose gate had run), or None."""
     found = MlflowClient(tracking_uri_for(cfg)).get_model_version(registered_model_name(cfg), version)
-    return found.tags.get(GATE_TAG)
+    return dict(found.tags) if GATE_TAG in found.tags else None
 
 
 # ------------------------------------------------------------------ lineage

@@ -226,6 +226,7 @@ def test_resumed_nightly_reapplies_its_recorded_decision_without_measuring_again
     again = nightly_retrain(str(third["config"]), run_dir=third["result"]["run_dir"])
     assert again["reason"] == third["result"]["reason"] and not again["promoted"]
     assert again["rows"] == {} and again["challenger"] == "3"  # the export was reused: no new version
+    assert again["bench_run_id"] == third["result"]["bench_run_id"]  # the measurement that decided it
     client = MlflowClient(postgres_mlflow.uri)
     assert sorted(v.version for v in client.search_model_versions(f"name = '{MODEL}'")) == ["1", "2", "3"]
     assert dict(client.get_registered_model(MODEL).aliases) == {"champion": "2", "previous": "1"}
