@@ -155,6 +155,28 @@ class TrackingConfig(StrictModel):
         return self
 
 
+class NightlyConfig(StrictModel):
+    """The nightly retrain (flows/nightly.py): where training starts and the gate a new draft must pass
+    against the current champion (same host, prompts and speculative setting) to replace it."""
+
+    start_from: Literal["scratch", "champion"] = Field(
+        "scratch", description="`scratch`: a fresh init; `champion`: train.init_checkpoint = the downloaded "
+        "`@champion` version (scratch while there is none). The champion must share the draft vocabulary."
+    )
+    min_tok_s_gain: float = Field(
+        0.02, ge=-1, le=10, description="Relative tok/s gain over the champion needed to promote (0.02 = 2% faster), "
+        "at every bench.concurrency level; a negative value tolerates a slowdown."
+    )
+    accept_length_tolerance: float = Field(
+        0.0, ge=0, le=1, description="Relative online accept-length drop vs the champion still accepted "
+        "(0 = must not lose), at every bench.concurrency level."
+    )
+    min_accept_length: float = Field(
+        1.1, ge=1, le=64, description="Floor on the new draft's online accept length, champion or not: a first "
+        "draft below it does not become champion (1.0 = any draft that serves)."
+    )
+
+
 class ExperimentConfig(StrictModel):
     """One experiment: every section of a `configs/*.yaml` file."""
 
@@ -169,6 +191,7 @@ class ExperimentConfig(StrictModel):
     bench: BenchConfig = Field(default_factory=BenchConfig, description="Benchmark.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow.")
     hosts: list[HostConfig] = Field(default_factory=list, description="SSH inventory.")
+    nightly: NightlyConfig = Field(default_factory=NightlyConfig, description="Nightly retrain and champion gate.")
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> ExperimentConfig:

@@ -1,0 +1,55 @@
+"""The nightly retrain: a new draft, and the champion gate in the MLflow Model Registry.
+
+    fetch_champion -> eagle3_experiment (data -> train -> export; the export registers the challenger)
+                   -> champion_gate (champion, then challenger, served and benched alike on one host)
+                   -> promote_or_keep (alias `champion` moves, the old one kept as `previous`; or the
+                      refusal and its reason are recorded) -> the gate's table as a Prefect artifact
+
+`nightly.start_from: champion` trains from the champion's weights (scratch while there is none);
+`nightly.*` holds the margins. Deployments reference `flows/nightly.py:nightly_retrain`.
+No `from __future__ import annotations` here: it breaks `flow.serve()` with typed parameters.
+"""
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from flows.experiment import eagle3_experiment
+from tasks.config import load_experiment
+from tasks.deploy import teardown_for_flow_run
+from tasks.gate import champion_gate, report_gate, training_config
+from tasks.registry import challenger_version, fetch_champion, promote_or_keep, registered_model_name
+from tasks.tracking import tracking_uri_for
+
+# Data, training and export; the gate deploys and benchmarks (report always runs in the experiment flow).
+TRAINING_STAGES = ["check_environment", "generate_data", "train_draft", "export_checkpoint"]
+
+
+def _teardown_hook(flow, flow_run, state) -> None:
+    """Failure/cancellation/crash hook: stop every server the gate started for this flow run."""
+    teardown_for_flow_run(flow_run.parameters, str(flow_run.id))
+
+
+@flow(name="eagle3-nightly", log_prints=True,
+      on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
+def nightly_retrain(config_path: str, run_dir: str | None = None) -> dict:
+    """Retrain, measure against the champion on the same host and prompts, promote only on a win.
+
+    `run_dir` resumes an earlier nightly's run folder (finished stages are reused).
+    """
+    cfg = load_experiment(config_path)
+    name = registered_model_name(cfg)
+    # 1. the current champion, downloaded: the gate serves it, and training may start from it
+    champion = fetch_champion(cfg)
+    # 2. data -> train -> export, as the experiment flow runs them; the export registers the challenger
+    train_path, variant = training_config(cfg, config_path, champion, run_dir)
+    experiment = eagle3_experiment(train_path, stages=TRAINING_STAGES, run_dir=run_dir, variant=variant)
+    challenger = challenger_version(cfg, experiment)
+    # 3. champion then challenger: same host, setting, prompts and runs; decided by the nightly.* margins
+    gate = champion_gate(cfg, experiment, champion, challenger, str(flow_run.id))
+    # 4. the registry: promote (champion moves, previous kept) or keep, the reason recorded either way
+    outcome = promote_or_keep(tracking_uri_for(cfg), name, challenger, champion["version"] if champion else None,
+                              gate["promote"], gate["reason"], gate["lineage"], experiment["mlflow_run_id"])
+    # 5. the side-by-side table as a Prefect artifact, the outcome in the run's manifest
+    report_gate(cfg, experiment, gate, outcome)
+    return {**outcome, "run_dir": experiment["run_dir"], "mlflow_run_id": experiment["mlflow_run_id"],
+            "bench_run_id": gate["bench_run_id"], "comparisons": gate["comparisons"], "rows": gate["rows"]}
