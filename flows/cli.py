@@ -274,6 +274,32 @@ def _headline(metrics: dict[str, float]) -> dict[str, float]:
     return {k: metrics[k] for k in keys}
 
 
+@app.command()
+def nightly(
+    config: Path = typer.Argument(..., help="Experiment YAML with export.registered_model and a nightly section."),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Resume this nightly's run directory."),
+) -> None:
+    """Retrain, benchmark against the registry's champion on the same host and prompts, promote or keep."""
+    from flows.nightly import nightly_retrain
+    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
+    from tasks.pipeline import StageFailed
+    from tasks.secrets import redact
+
+    try:
+        load_experiment(config)
+        with signals_as_exceptions(), redacted_stdio(), prefect_api():
+            result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
+    except ConfigError as error:
+        _fail_config(error)
+    except KeyboardInterrupt as stop:
+        _exit_interrupted(config, None, stop)
+    except (StageFailed, ValueError) as failure:
+        err.print(f"[red]nightly failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(STAGE_FAILED)
+    verb = "[green]promoted[/green]" if result["promoted"] else "[yellow]kept the champion[/yellow]"
+    out.print(f"{verb}: {result['reason']}", highlight=False, soft_wrap=True)
+
+
 hosts_app = typer.Typer(no_args_is_help=True, help="The SSH inventory of a config.")
 app.add_typer(hosts_app, name="hosts")
 
