@@ -153,6 +153,33 @@ def run_bench_serving(argv: list[str], log: Path, timeout_s: int) -> dict:
     return json.loads(lines[-1])
 
 
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def run_our_client(port: int, target: Path, dataset: Path, output_len: int, chat_template: bool) -> dict:
+    """eagleops' own client on the same server and conversations: tok/s, TTFT, ITL, accept length."""
+    import statistics
+
+    from eagle3.sglang_client import SGLangClient, render_prompts, run_benchmark
+
+    conversations = [[{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                      for t in c["conversations"][:1]] for c in json.loads(dataset.read_text())]
+    if chat_template:
+        prompts = render_prompts(conversations, target)
+    else:  # bench_serving without --apply-chat-template sends the raw first turn
+        prompts = [c[0]["content"] for c in conversations]
+    with SGLangClient(f"http://127.0.0.1:{port}") as client:
+        result = run_benchmark(client, prompts, warmup_runs=1, timed_runs=3, concurrency=1,
+                               max_new_tokens=output_len, endpoint="generate", ignore_eos=True)
+    requests = [r for run in result.runs for r in run.requests]
+    itl = [x for r in requests for x in r.itl_s]
+    return {"output_tok_s": result.summary()["output_tok_per_s"]["median"],
+            "mean_ttft_ms": 1000 * statistics.fmean(r.ttft_s for r in requests),
+            "mean_itl_ms": 1000 * statistics.fmean(itl) if itl else None,
+            "accept_length": result.decode_accept_length}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sglang-python", type=Path, default=DEFAULT_SGLANG_PYTHON,
@@ -175,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="eagleops-crosscheck-"))
     work.mkdir(parents=True, exist_ok=True)
     target, draft = (args.target, args.draft) if args.target else build_tiny_model_dirs(work / "models")
-    dataset = write_sharegpt(work / "sharegpt.json", 4 * args.num_prompts, args.seed)
+    # Exactly num_prompts conversations: bench_serving then sends all of them, and so does our client.
+    dataset = write_sharegpt(work / "sharegpt.json", args.num_prompts, args.seed)
     port = free_port()
     server = start_server(target, draft, args.spec, port, work / "server.log")
     try:
@@ -183,14 +211,22 @@ def main(argv: list[str] | None = None) -> int:
                                    args.num_prompts, args.output_len, args.seed, args.apply_chat_template)
         print("$", shlex.join(bench), flush=True)
         result = run_bench_serving(bench, work / "bench_serving.log", timeout_s=1800)
+        ours = run_our_client(port, target, dataset, args.output_len, args.apply_chat_template)
     finally:
         stop_server(server)
     summary = {"command": shlex.join(bench), "spec": args.spec, "target": str(target), "draft": str(draft),
                **{k: result.get(k) for k in REPORTED},
                "server_accept_length": (result.get("server_info") or {}).get("internal_states", [{}])[0]
                .get("avg_spec_accept_length")}
+    summary["ours"] = ours
     for key, value in summary.items():
         print(f"{key:>24}: {value:.2f}" if isinstance(value, float) else f"{key:>24}: {value}")
+    print(f"\n{'':>24}  {'bench_serving':>14}  {'eagleops':>10}")
+    for label, theirs, mine in (("output tok/s", result.get("output_throughput"), ours["output_tok_s"]),
+                                ("mean TTFT ms", result.get("mean_ttft_ms"), ours["mean_ttft_ms"]),
+                                ("mean ITL ms", result.get("mean_itl_ms"), ours["mean_itl_ms"]),
+                                ("accept length", result.get("accept_length"), ours["accept_length"])):
+        print(f"{label:>24}  {_num(theirs):>14}  {_num(mine):>10}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
     return 0
