@@ -95,6 +95,11 @@ def fill_optional_int(driver, label: str, value: int) -> None:
     box.send_keys(str(value))
 
 
+def worker_errors(log: Path) -> str:
+    lines = log.read_text().splitlines()
+    return "\n".join([line for line in lines if "Error" in line or "error" in line][:20] + lines[-20:])
+
+
 def form_run_id(api: str, deployment_id: str, not_this: str) -> str | None:
     """The id of the run the form submitted (the deployment's other run was started through the API)."""
     body = {"deployments": {"id": {"any_": [deployment_id]}}}
@@ -110,6 +115,8 @@ def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_wo
     # The team's defaults for this deployment: the test config, only the cheap stage.
     defaults = {"config_path": str(config), "stages": ["check_environment"]}
     assert httpx.patch(f"{api}/deployments/{tiny['id']}", json={"parameters": defaults}, timeout=10).status_code == 204
+    # The team's experiment exists before runs start (two runs creating it at the same moment race).
+    MlflowClient(team_servers.mlflow).create_experiment("eagleops-browser")
     # A second run to compare with, started at once so both run side by side on the worker.
     other = httpx.post(f"{api}/deployments/{tiny['id']}/create_flow_run", timeout=30,
                        json={"parameters": {**defaults, "overrides": {"num_steps": 4}}}).json()
@@ -127,13 +134,13 @@ def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_wo
     browser.save_screenshot(str(screenshots / "03-prefect-after-submit.png"))
 
     run = wait_for_run(api, run_id, cpu_worker)
-    assert run["state"]["type"] == "COMPLETED", cpu_worker.read_text()[-3000:]
+    assert run["state"]["type"] == "COMPLETED", worker_errors(cpu_worker)
     assert run["parameters"]["overrides"]["num_steps"] == 3  # what was typed into the form
     assert run["parameters"]["config_path"] == str(config)
     browser.get(f"{ui}/runs/flow-run/{run_id}")
     wait_for_text(browser, "Completed")
     browser.save_screenshot(str(screenshots / "04-prefect-flow-run-completed.png"))
-    assert wait_for_run(api, other["id"], cpu_worker)["state"]["type"] == "COMPLETED"
+    assert wait_for_run(api, other["id"], cpu_worker)["state"]["type"] == "COMPLETED", worker_errors(cpu_worker)
 
     client = MlflowClient(team_servers.mlflow)
     experiment = client.get_experiment_by_name("eagleops-browser")

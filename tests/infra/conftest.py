@@ -7,6 +7,7 @@ infra/prefect-worker.sh cpu, polling every second. Everything runs in its own pr
 is stopped by group; tests skip (with the reason) where PostgreSQL is not reachable.
 """
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -101,10 +102,12 @@ def team_servers(tmp_path_factory):
         yield TeamServers(env["PREFECT_API_URL"], f"http://127.0.0.1:{prefect_port}",
                           f"http://127.0.0.1:{mlflow_port}", env, root / "state")
     finally:
-        for name in ("prefect-server", "mlflow-server"):
-            pid_file = root / "state" / f"{name}.pid"
-            if pid_file.is_file():
-                stop_group(int(pid_file.read_text()))
+        pids = [int(f.read_text()) for f in (root / "state").glob("*-server.pid")]
+        for pid in pids:  # both stop at once, then each is waited for (and escalated if needed)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGTERM)
+        for pid in pids:
+            stop_group(pid)
         for name in databases.values():
             _drop_database(name)
 
