@@ -24,9 +24,11 @@ $(STAMP): pyproject.toml requirements-ci.txt
 demo: install
 	$(BIN)/eagleops run configs/tiny.yaml
 
-# The SSH tests run against a private OpenSSH sshd on 127.0.0.1 (tests/sshd.py).
+# The SSH tests run against a private OpenSSH sshd on 127.0.0.1 (tests/sshd.py); the browser
+# tests (tests/browser) drive Debian's headless chromium through chromedriver.
 test: install
 	command -v sshd || test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssl)
+	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 	$(BIN)/python -m pytest -q
 
 test-fast: install

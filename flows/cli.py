@@ -268,6 +268,54 @@ def sync(
         raise typer.Exit(STAGE_FAILED)
 
 
+@app.command("deploy-flows")
+def deploy_flows(
+    prefect_file: Path = typer.Option(Path("infra/prefect.yaml"), "--prefect-file", help="Deployments to register."),
+    gpu_queue: Optional[list[str]] = typer.Option(
+        None, "--gpu-queue", help="A GPU host's work queue in the gpu pool, limited to one run (repeat per host); "
+        "default: the queues prefect.yaml's gpu deployments name."),
+    only: Optional[list[str]] = typer.Option(None, "--only", help="Register only this deployment (repeatable)."),
+) -> None:
+    """Create the cpu and gpu work pools, one gpu queue per GPU host (concurrency limit 1), then register
+    the deployments (prefect --no-prompt deploy). Idempotent; needs PREFECT_API_URL."""
+    from prefect.client.orchestration import get_client
+
+    from flows.deployments import (
+        GPU_POOL, ensure_gpu_queues, ensure_work_pools, missing_entrypoints, read_deployments, register_deployments,
+    )
+
+    if not os.environ.get("PREFECT_API_URL"):
+        err.print("[red]error[/red] PREFECT_API_URL is not set: point it at the team's Prefect server, "
+                  "e.g. http://127.0.0.1:4200/api")
+        raise typer.Exit(BAD_INPUT)
+    project_dir = Path.cwd()
+    try:
+        deployments = read_deployments(prefect_file)
+    except (OSError, ValueError) as error:
+        err.print(f"[red]error[/red] --prefect-file: {error}", highlight=False, soft_wrap=True)
+        raise typer.Exit(BAD_INPUT)
+    chosen = [d for d in deployments if not only or d.name in only]
+    unknown = sorted(set(only or []) - {d.name for d in deployments})
+    missing = missing_entrypoints(chosen, project_dir)
+    if unknown or missing:
+        problem = f"unknown deployment(s) {unknown}" if unknown else f"entrypoint file missing for {missing}"
+        err.print(f"[red]error[/red] {prefect_file}: {problem}", highlight=False, soft_wrap=True)
+        raise typer.Exit(BAD_INPUT)
+    queues = gpu_queue or sorted({d.queue for d in deployments if d.pool == GPU_POOL and d.queue})
+    with get_client(sync_client=True) as client:
+        for pool, outcome in ensure_work_pools(client).items():
+            out.print(f"work pool {pool}: {outcome}", highlight=False)
+        for queue, outcome in ensure_gpu_queues(client, queues).items():
+            out.print(f"work queue {GPU_POOL}/{queue} (1 run at a time): {outcome}", highlight=False)
+    done = register_deployments(prefect_file, project_dir, [d.name for d in chosen] if only else None)
+    if done.returncode != 0:
+        err.print(f"[red]error[/red] prefect deploy exited {done.returncode}:")
+        err.print((done.stdout + done.stderr)[-3000:], highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(STAGE_FAILED)
+    out.print(f"registered {len(chosen)} deployments from {prefect_file}: {', '.join(d.name for d in chosen)}",
+              highlight=False, soft_wrap=True)
+
+
 def _headline(metrics: dict[str, float]) -> dict[str, float]:
     """Metrics worth a glance first: accept lengths and throughput, then wall times."""
     keys = sorted(metrics, key=lambda k: (not any(w in k for w in ("accept", "tok_s", "speedup")), k))

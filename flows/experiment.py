@@ -8,11 +8,12 @@ run-directory folder and MLflow child run, skips stages that completed earlier w
 inputs, and stops the run at the first failure.
 """
 
-from __future__ import annotations
-
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.params import (
+    DEFAULT_CONFIG, ConfigOverrides, ConfigPath, RunDir, StageSelection, SweepVariant, apply_overrides,
+)
 from tasks.config import load_experiment
 from tasks.bench import run_benchmark
 from tasks.data import generate_data
@@ -32,13 +33,25 @@ def _teardown_hook(flow, flow_run, state) -> None:
 @flow(name="eagle3-experiment", log_prints=True,
       on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
 def eagle3_experiment(
-    config_path: str, stages: list[str] | None = None, run_dir: str | None = None, variant: int | None = None
+    config_path: ConfigPath = DEFAULT_CONFIG,
+    stages: StageSelection = None,
+    run_dir: RunDir = None,
+    variant: SweepVariant = None,
+    overrides: ConfigOverrides = ConfigOverrides(),
 ) -> dict:
     """Run (or resume, with run_dir) one experiment; `stages` limits which stages execute.
 
-    `variant` picks one grid point when config_path is a sweep file.
+    The Prefect UI form shows these descriptions; types and bounds are in flows/params.py.
+
+    Args:
+        config_path: Experiment or sweep YAML: a shipped config, or a path on the worker (relative to the
+            project directory).
+        stages: Stages to run (default: all). `report` always runs.
+        run_dir: Resume this run directory; completed stages with unchanged inputs are skipped.
+        variant: For a sweep file: the grid point to run (0-based); required for sweeps.
+        overrides: Replace the config's deploy host or speculative flags for this run (unset: the YAML's).
     """
-    cfg = load_experiment(config_path, variant)
+    cfg = apply_overrides(load_experiment(config_path, variant), overrides)
     pipeline = Pipeline(cfg, config_path, stages, run_dir, flow_run_id=str(flow_run.id))
     try:
         # 1. can this machine run the experiment? a fail stops here, before anything expensive

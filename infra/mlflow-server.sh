@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# Start an MLflow tracking server on 127.0.0.1 (default port 5000) over a sqlite store, with
-# artifacts served through it (clients upload over HTTP; no shared filesystem needed).
-# Job execution is off: nothing here uses MLflow server jobs, and it costs ~1 GB of RAM.
+# MLflow tracking server on PostgreSQL, artifacts proxied through it: clients upload and download
+# over HTTP (mlflow-artifacts:/ URIs), the files land in $EAGLEOPS_MLFLOW_ARTIFACTS on this host.
+#   infra/mlflow-server.sh serve [PORT]   foreground (systemd: eagleops-mlflow-server.service)
+#   infra/mlflow-server.sh start [PORT]   background, waits until healthy; pid and log in $EAGLEOPS_STATE_DIR
+# Job execution is off: nothing here uses MLflow server jobs (GenAI evaluation), and they cost
+# a job runner plus 7 huey consumers (~1 GB RSS). One uvicorn worker by default (MLflow's is 4).
+# Behind a reverse proxy with a public name, set EAGLEOPS_MLFLOW_ALLOWED_HOSTS=mlflow.example.org
+# (the security middleware answers 403 to any other Host header than localhost/private IPs).
+# The driver is spelled out: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, not psycopg2.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
-port="${1:-5000}"
-store="${MLFLOW_STORE_DIR:-$EAGLEOPS_PROJECT_DIR/runs/mlflow-server}"
-mkdir -p "$store"
-MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server \
-  --backend-store-uri "sqlite:///$store/mlflow.db" --artifacts-destination "$store/artifacts" \
-  --host 127.0.0.1 --port "$port" --workers 1 >"$store/server.log" 2>&1 &
-echo $! >"$store/server.pid"
-for _ in $(seq 1 240); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null && { echo "mlflow server pid $(cat "$store/server.pid") on http://127.0.0.1:$port"; exit 0; }
-  sleep 0.5
-done
-echo "mlflow server did not become healthy; see $store/server.log" >&2
-exit 1
+mode="${1:?usage: $0 serve|start [PORT]}"
+port="${2:-5000}"
+case "$mode" in
+serve)
+    "$(dirname "$0")/pg-database.sh" "$EAGLEOPS_MLFLOW_DB"
+    mkdir -p "$EAGLEOPS_MLFLOW_ARTIFACTS"
+    allowed=()
+    [[ -n "${EAGLEOPS_MLFLOW_ALLOWED_HOSTS:-}" ]] && allowed=(--allowed-hosts "$EAGLEOPS_MLFLOW_ALLOWED_HOSTS")
+    export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
+    exec mlflow server --backend-store-uri "$(pg_url postgresql+psycopg2 "$EAGLEOPS_MLFLOW_DB")" \
+        --serve-artifacts --artifacts-destination "$EAGLEOPS_MLFLOW_ARTIFACTS" \
+        --host "${EAGLEOPS_BIND:-127.0.0.1}" --port "$port" --workers "${EAGLEOPS_MLFLOW_WORKERS:-1}" "${allowed[@]}"
+    ;;
+start)
+    start_in_background mlflow-server "$0" serve "$port"
+    wait_healthy "mlflow server" "http://127.0.0.1:$port/health" "$(cat "$EAGLEOPS_STATE_DIR/mlflow-server.pid")" \
+        "$EAGLEOPS_STATE_DIR/mlflow-server.log"
+    ;;
+*) echo "usage: $0 serve|start [PORT]" >&2; exit 2 ;;
+esac

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Create the process work pool if missing, register the deployments, start a worker.
-# Needs PREFECT_API_URL (e.g. http://127.0.0.1:4200/api).
+# One Prefect process worker in the foreground: infra/prefect-worker.sh POOL [QUEUE]
+#   cpu pool: orchestration and the embedded CPU default   -> infra/prefect-worker.sh cpu
+#   gpu pool: one worker per GPU host, on its own queue    -> infra/prefect-worker.sh gpu gpu-1
+# The pools, the per-host queues (concurrency limit 1) and the deployments come from
+# `eagleops deploy-flows`. Needs PREFECT_API_URL (e.g. http://127.0.0.1:4200/api).
+# Stopping: the worker needs two signals (the first only asks its runs to stop); systemd's
+# TimeoutStopSec + SIGKILL does the second, by hand send SIGTERM then SIGINT.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the Prefect server, e.g. http://127.0.0.1:4200/api}"
+pool="${1:?usage: $0 POOL [QUEUE]}"
+queue="${2:-}"
 cd "$EAGLEOPS_PROJECT_DIR"
-prefect work-pool inspect eagleops-local >/dev/null 2>&1 || prefect work-pool create eagleops-local --type process
-prefect --no-prompt deploy --all --prefect-file infra/prefect.yaml
-exec prefect worker start --pool eagleops-local --name "eagleops-$(hostname)" --install-policy never "$@"
+exec prefect worker start --pool "$pool" ${queue:+--work-queue "$queue"} \
+    --name "eagleops-$pool-$(hostname)" --install-policy never

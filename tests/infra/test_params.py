@@ -1,0 +1,107 @@
+"""The experiment flow's parameters: the schema Prefect serves to the UI form, and overrides reaching the config."""
+
+from pathlib import Path
+
+import pytest
+from prefect.utilities.schema_tools import ValidationError as SchemaError
+from prefect.utilities.schema_tools import validate
+
+from flows.experiment import eagle3_experiment
+from flows.params import SHIPPED_CONFIGS, ConfigOverrides, apply_overrides, shipped_configs
+from tasks.config import ConfigError, load_experiment
+from tasks.pipeline import STAGES
+
+REPO = Path(__file__).resolve().parents[2]
+WITH_HOSTS = """\
+experiment: params
+target: {kind: tiny}
+deploy:
+  host: local
+  speculative: {num_steps: 5, eagle_topk: 1, num_draft_tokens: 6}
+hosts:
+  - {name: gpu-1, address: 10.0.0.5, user: eagle, key_file: /dev/null}
+"""
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(WITH_HOSTS)
+    return load_experiment(path)
+
+
+def schema() -> dict:
+    return eagle3_experiment.parameters.model_dump()
+
+
+def test_shipped_configs_are_the_repo_yaml_files_including_sweeps():
+    on_disk = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
+    assert list(SHIPPED_CONFIGS) == on_disk and "configs/tiny.yaml" in on_disk
+    assert any(p.startswith("configs/sweeps/") for p in on_disk)
+
+
+def test_shipped_configs_of_a_tree_without_configs_is_empty(tmp_path):
+    (tmp_path / "configs").mkdir()
+    assert shipped_configs(tmp_path) == ()
+
+
+def test_schema_offers_the_shipped_configs_and_the_stage_names():
+    props = schema()["properties"]
+    choices = [option for option in props["config_path"]["anyOf"] if "enum" in option]
+    assert choices[0]["enum"] == list(SHIPPED_CONFIGS)
+    assert props["config_path"]["default"] == "configs/tiny.yaml"
+    assert props["stages"]["anyOf"][0]["items"]["enum"] == STAGES
+    for name in ("config_path", "stages", "run_dir", "variant", "overrides"):
+        assert props[name]["description"], f"{name} has no description for the UI form"
+
+
+@pytest.mark.parametrize(
+    ("parameters", "field"),
+    [
+        ({"stages": ["train"]}, "stages"),
+        ({"stages": []}, "stages"),
+        ({"variant": -1}, "variant"),
+        ({"overrides": {"num_steps": 0}}, "num_steps"),
+        ({"overrides": {"num_draft_tokens": 5000}}, "num_draft_tokens"),
+        ({"overrides": {"host": "Not A Name"}}, "host"),
+        ({"overrides": {"topk": 2}}, "topk"),
+    ],
+)
+def test_schema_refuses_bad_values_naming_the_field(parameters, field):
+    with pytest.raises(SchemaError, match=field):
+        validate(parameters, schema(), raise_on_error=True, preprocess=True, ignore_required=True)
+
+
+def test_schema_accepts_a_free_config_path_and_good_overrides():
+    good = {"config_path": "/srv/team/my.yaml", "stages": ["check_environment"], "variant": 2,
+            "overrides": {"host": "gpu-1", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}}
+    validate(good, schema(), raise_on_error=True, preprocess=True, ignore_required=True)
+
+
+def test_overrides_replace_only_the_given_deploy_fields(cfg):
+    out = apply_overrides(cfg, ConfigOverrides(host="gpu-1", num_steps=3))
+    assert out.deploy.host == "gpu-1"
+    assert (out.deploy.speculative.num_steps, out.deploy.speculative.eagle_topk,
+            out.deploy.speculative.num_draft_tokens) == (3, 1, 6)
+    assert out.train == cfg.train and out.hosts == cfg.hosts
+    assert cfg.deploy.host == "local" and cfg.deploy.speculative.num_steps == 5  # input untouched
+
+
+def test_overrides_from_a_dict_as_prefect_passes_them(cfg):
+    assert apply_overrides(cfg, {"num_draft_tokens": 4}).deploy.speculative.num_draft_tokens == 4
+
+
+def test_no_overrides_keep_the_config(cfg):
+    assert apply_overrides(cfg, ConfigOverrides()) is cfg
+    assert apply_overrides(cfg, None) is cfg
+
+
+def test_an_override_host_missing_from_the_inventory_is_refused_by_name(cfg):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(cfg, ConfigOverrides(host="gpu-9"))
+    assert "overrides" in err.value.messages[0] and "deploy.host 'gpu-9'" in err.value.messages[0]
+
+
+def test_an_override_out_of_bounds_is_refused_before_the_config():
+    with pytest.raises(ValueError, match="num_steps"):
+        ConfigOverrides(num_steps=65)
