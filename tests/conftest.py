@@ -76,3 +76,8 @@ def sshd():
         pytest.skip(f"no sshd for SSH tests: {err}")
     yield server
     server.stop()
+
+
+# The team setup (Prefect + MLflow servers on PostgreSQL, deployments, a worker) is shared by
+# tests/infra and tests/browser: defined here once so one session starts it once.
+from tests.team_servers import cpu_worker, deployed, team_servers  # noqa: E402,F401  (fixtures)

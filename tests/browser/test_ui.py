@@ -5,7 +5,6 @@ driven by selenium; screenshots are kept under the test's tmp dir (and $EAGLEOPS
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -13,7 +12,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.infra.conftest import wait_for_run
+from tests.team_servers import wait_for_run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # The flags known to work on this machine kind: no GPU, no sandbox as root, and no background

@@ -15,7 +15,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deployments import ensure_gpu_queues, ensure_work_pools, read_deployments
-from tests.infra.conftest import REPO, wait_for_run
+from tests.team_servers import REPO, wait_for_run
 
 PREFECT_FILE = REPO / "infra" / "prefect.yaml"
 CONFIG = """\
