@@ -62,18 +62,21 @@ def fitting_prompts(cfg: ExperimentConfig, prompts: list, context_len: int | Non
     left out; a user's file with one that does not is an error naming it (the server would refuse it)."""
     if not context_len or not prompts or not isinstance(prompts[0], list) or not isinstance(prompts[0][0], int):
         return prompts
-    fits = [len(p) + cfg.bench.max_new_tokens <= context_len for p in prompts]
+    # Builtin prompts also stay within the length the draft was trained on (data.max_length): past it the
+    # tiny target degenerates into patterns no training sample had, which measures nothing useful.
+    limit = context_len if cfg.bench.prompts != "builtin" else min(context_len, cfg.data.max_length)
+    fits = [len(p) + cfg.bench.max_new_tokens <= limit for p in prompts]
     if cfg.bench.prompts != "builtin" and not all(fits):
         bad = [i + 1 for i, ok in enumerate(fits) if not ok]
         raise ValueError(f"bench.prompts: prompts {bad[:10]} of {cfg.bench.prompts} plus bench.max_new_tokens="
                          f"{cfg.bench.max_new_tokens} exceed the served context of {context_len} tokens")
     kept = [p for p, ok in zip(prompts, fits) if ok]
     if not kept:
-        raise ValueError(f"bench.max_new_tokens={cfg.bench.max_new_tokens}: no builtin prompt fits the served context "
-                         f"of {context_len} tokens with it; lower it")
+        raise ValueError(f"bench.max_new_tokens={cfg.bench.max_new_tokens}: no builtin prompt fits in {limit} tokens "
+                         "(the served context, or data.max_length) with it; lower it")
     if len(kept) < len(prompts):
-        logger().warning(f"benchmark: {len(prompts) - len(kept)} builtin prompts do not fit the served context of "
-                         f"{context_len} tokens with {cfg.bench.max_new_tokens} new tokens; left out")
+        logger().warning(f"benchmark: {len(prompts) - len(kept)} builtin prompts do not fit in {limit} tokens with "
+                         f"{cfg.bench.max_new_tokens} new tokens; left out")
     return kept
 
 
