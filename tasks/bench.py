@@ -47,7 +47,7 @@ def bench_prompts(cfg: ExperimentConfig, samples: Path | None) -> list[list[dict
         if len(pool) < cfg.bench.num_prompts:
             raise ValueError(f"bench.num_prompts={cfg.bench.num_prompts}: only {len(pool)} builtin prompts are not "
                              "training prompts; lower it or give a .jsonl")
-        return pool[: cfg.bench.num_prompts]
+        return pool  # more than needed: run_benchmark keeps the first num_prompts that fit
     prompts = load_prompts_jsonl(cfg.bench.prompts)[: cfg.bench.num_prompts]
     if samples is not None and samples.is_file():
         seen = heldout_overlap(prompts, samples)
@@ -74,9 +74,9 @@ def fitting_prompts(cfg: ExperimentConfig, prompts: list, context_len: int | Non
     if not kept:
         raise ValueError(f"bench.max_new_tokens={cfg.bench.max_new_tokens}: no builtin prompt fits in {limit} tokens "
                          "(the served context, or data.max_length) with it; lower it")
-    if len(kept) < len(prompts):
-        logger().warning(f"benchmark: {len(prompts) - len(kept)} builtin prompts do not fit in {limit} tokens with "
-                         f"{cfg.bench.max_new_tokens} new tokens; left out")
+    if len(kept) < cfg.bench.num_prompts:
+        logger().warning(f"benchmark: only {len(kept)} builtin prompts fit in {limit} tokens with "
+                         f"{cfg.bench.max_new_tokens} new tokens (bench.num_prompts={cfg.bench.num_prompts})")
     return kept
 
 
@@ -232,7 +232,8 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     conversations = bench_prompts(cfg, Path(samples) if samples else None)
     endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir and target_dir.is_dir() else None)
     spec_handle = _deployed_handle(ctx, deployed)
-    prompts = fitting_prompts(cfg, prompts, spec_handle.server_info.get("context_len"))
+    fitting = fitting_prompts(cfg, prompts, spec_handle.server_info.get("context_len"))
+    prompts = fitting[: cfg.bench.num_prompts]
     placement = _placement_of(ctx, deployed, spec_handle)
     target_config = json.loads((target_dir / "config.json").read_text()) if target_dir else {}
 
