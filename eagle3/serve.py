@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
 import logging
 import shlex
 import sys
@@ -1044,6 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(ns.log_level)
     transformers_logging.disable_progress_bar()
     log_ignored_flags(ns)
+    # Batch-1 decoding of a small model is latency-bound: one thread per server (OMP_NUM_THREADS to
+    # change it). More threads than free cores spin in OpenMP barriers and ran 5-30x slower on 2 cores.
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         settings = build_settings(argv)
     except (ValueError, FileNotFoundError) as e:
