@@ -383,7 +383,11 @@ def test_compare_flags_disagreements_with_both_numbers(client):
                and f"{srv.avg_spec_accept_length * 1.5:.3f}" in f for f in flags), flags
     assert any(f.startswith("output tokens: client counted 6") and "rose by 99" in f for f in flags), flags
     assert any(f.startswith("throughput:") and "1000000000.0" in f for f in flags), flags
-    missing = replace(result, server=replace(srv, avg_spec_accept_length=None))
+    # No avg_spec_accept_length (no decode-log tick yet): the /metrics ratio still cross-checks, so no flag...
+    lagging = replace(result, server=replace(srv, avg_spec_accept_length=None))
+    assert not [f for f in compare_client_server(lagging) if "accept" in f]
+    # ...but with neither server figure nothing confirms the client's accept length: flagged.
+    missing = replace(result, server=replace(srv, avg_spec_accept_length=None, metrics_delta=None))
     assert any("no avg_spec_accept_length" in f for f in compare_client_server(missing))
     assert isinstance(off, BenchResult)
 
