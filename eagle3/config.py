@@ -165,7 +165,8 @@ class DataConfig(StrictModel):
         ge=1,
         le=1_000_000,
         description="Samples per offline hidden-state shard; a shard is built in RAM "
-        "(about shard_size x max_length x 4 x H x 2 bytes in bf16), so lower it for large targets.",
+        "(about shard_size x max_length x 4 x H x 2 bytes in bf16) and up to 3 are held at once "
+        "(one captured, two being written), so lower it for large targets.",
     )
     draft_vocab_size: int = Field(
         512, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
