@@ -979,19 +979,22 @@ def describe_rank_failures(log_dir: Path) -> str:
     """Which ranks failed and how, from torchrun's per-rank files of the last attempt.
 
     A rank that raised leaves `<rank>/error.json` (eagle3.train.main is `@record`ed); a rank
-    killed by a signal or by torchrun after another rank failed leaves none. Without any error
-    file, every rank's stderr tail is shown.
+    killed by a signal or by torchrun after another rank failed leaves none. Ranks are listed
+    by when they failed: the first is the cause, the others usually only lost their peer
+    (gloo: "Connection closed by peer"). Without any error file, every rank's stderr tail is shown.
     """
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime)
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime_ns)
     if not attempts:
         return f"no per-rank logs under {log_dir}; see the output above"
     ranks = sorted((p for p in attempts[-1].iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    failed = [r for r in ranks if (r / "error.json").is_file()]
+    failed = sorted((r for r in ranks if (r / "error.json").is_file()),
+                    key=lambda r: (r / "error.json").stat().st_mtime_ns)
     parts = []
-    for rank_dir in failed or ranks:
+    for n, rank_dir in enumerate(failed or ranks):
         what = _error_message(rank_dir / "error.json") if failed else "no error file (killed by a signal?)"
-        parts.append(f"rank {rank_dir.name} failed: {what}\n--- last lines of {rank_dir / 'stderr.log'} ---\n"
-                     f"{_tail(rank_dir / 'stderr.log')}")
+        when = ("first" if n == 0 else "after it") if len(failed) > 1 else ""
+        parts.append(f"rank {rank_dir.name} failed{' ' + when if when else ''}: {what}\n"
+                     f"--- last lines of {rank_dir / 'stderr.log'} ---\n{_tail(rank_dir / 'stderr.log')}")
     return "\n".join(parts)
 
 
