@@ -771,3 +771,20 @@ def test_a_failing_rank_is_named_with_its_log_and_nothing_is_left_running(tmp_pa
     assert not _processes_mentioning(str(out)), "processes left running"
     threads = torchrun_env(2, cfg.num_workers)["OMP_NUM_THREADS"]
     assert any(f"rank 0/2: {threads} torch threads, 1 loader workers" in line for line in logs), logs[-30:]
+
+
+def test_bench_train_loop_tiny_runs_the_real_trainer_on_cpu(tmp_path):
+    """bench_train.py --loop --tiny: train_draft on synthetic shards of the dataset format, timed
+    per log window (the GPU benchmark's code path, one process on CPU)."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "bench_train.py"), "--loop", "--tiny",
+                           "--modes", "single", "--steps", "4", "--log-every", "2", "--skip-windows", "1",
+                           "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (single,) = json.loads(out.read_text())["results"]
+    assert single["mode"] == "single" and single["steps"] == 4 and len(single["window_tokens_per_s"]) == 2
+    assert single["tokens_per_s"] == single["window_tokens_per_s"][1] and single["mfu"] > 0
+    assert math.isfinite(single["first_loss"]) and "tok/s/GPU" in proc.stdout
+    history = [json.loads(line) for line in (tmp_path / "work" / "run-single" / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history if "train/loss" in h] == [2, 4]
