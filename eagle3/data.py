@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import httpx
@@ -688,38 +688,54 @@ def dump_hidden_states(
     need = _dump_bytes(todo_tokens, sum(len(m) for _, m in todo), hidden, k, dtype.itemsize)
     check_disk_space(directory, need, log)
     manifest = _manifest_header(extractor, data_cfg, fingerprint, samples)
-    entries, written = dict(done), [0]
-    finished = [sum(len(m) for name, m in plan if name in done)]
-    progress("hidden_states", finished[0], len(samples))
+    entries = dict(done)
+    counts = {"written": 0, "finished": sum(len(m) for name, m in plan if name in done)}
+    progress("hidden_states", counts["finished"], len(samples))
 
-    def record(name: str, members: list[dict], write: Future) -> None:
-        """Rename a written shard into place, in plan order, then list it in the manifest."""
-        digest, size = write.result()
-        os.replace(_temp_name(directory / name), directory / name)
+    def on_written(name: str, members: list[dict], digest: str, size: int) -> None:
         entries[name] = _shard_entry(name, members, digest, size)
-        written[0] += size
-        finished[0] += len(members)
+        counts["written"] += size
+        counts["finished"] += len(members)
         _write_manifest(directory, manifest, [entries[n] for n, _ in plan if n in entries], complete=False)
-        progress("hidden_states", finished[0], len(samples))
+        progress("hidden_states", counts["finished"], len(samples))
 
-    # Writer threads write and hash shards n and n + 1 while shard n + 2 is captured (at most
-    # _SHARD_WRITERS + 1 shards in RAM): one sha256 stream (~1-2 GB/s) is about what an 8B
-    # target's forward produces, two keep up with margin. Files stay hidden until `record`
-    # renames them in plan order, so the visible shards are always those the manifest lists.
-    with ThreadPoolExecutor(max_workers=_SHARD_WRITERS, thread_name_prefix="shard-writer") as writer:
-        pending: collections.deque = collections.deque()
-        for name, members in todo:
-            tensors = capture_shard(extractor, members, data_cfg.capture_batch_size, dtype)
-            if len(pending) == _SHARD_WRITERS:
-                record(*pending.popleft())
-            pending.append((name, members, writer.submit(_write_hidden_shard, tensors, directory / name)))
-            del tensors
-        while pending:
-            record(*pending.popleft())
+    _capture_and_write(extractor, todo, directory, data_cfg.capture_batch_size, dtype, on_written)
     _write_manifest(directory, manifest, [entries[n] for n, _ in plan], complete=True)
     total = sum(e["bytes"] for e in entries.values())
-    return {"estimate_bytes": need, "bytes_written": written[0], "bytes_total": total,
+    return {"estimate_bytes": need, "bytes_written": counts["written"], "bytes_total": total,
             "shards": len(plan), "shards_reused": len(done)}
+
+
+def _capture_and_write(
+    extractor: TargetFeatureExtractor, todo: list[tuple[str, list[dict]]], directory: Path, batch_size: int,
+    dtype: torch.dtype, on_written: Callable[[str, list[dict], str, int], None],
+) -> None:
+    """Capture every shard of `todo` and write it on writer threads; `on_written(name, members,
+    sha256, bytes)` runs in plan order once a shard's file is renamed into place.
+
+    Writer threads write and hash shards n and n + 1 while shard n + 2 is captured (at most
+    _SHARD_WRITERS + 1 shards in RAM): one sha256 stream (~1-2 GB/s) is about what an 8B
+    target's forward produces, two keep up with margin. Files stay hidden until renamed here in
+    plan order, right before `on_written` lists them: the visible shards are always those the
+    manifest lists (plus, for an instant, the one being added).
+    """
+    pending: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+        name, members, write = pending.popleft()
+        digest, size = write.result()
+        os.replace(_temp_name(directory / name), directory / name)
+        on_written(name, members, digest, size)
+
+    with ThreadPoolExecutor(max_workers=_SHARD_WRITERS, thread_name_prefix="shard-writer") as writer:
+        for name, members in todo:
+            tensors = capture_shard(extractor, members, batch_size, dtype)
+            if len(pending) == _SHARD_WRITERS:
+                finish_oldest()
+            pending.append((name, members, writer.submit(_write_hidden_shard, tensors, directory / name)))
+            del tensors  # the writer holds the only reference: freed once written
+        while pending:
+            finish_oldest()
 
 
 def _shard_entry(name: str, members: list[dict], digest: str, size: int) -> dict:

@@ -477,7 +477,9 @@ class Trainer:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        # buffers (vocab maps, RoPE frequencies) are equal on every rank and never change, so no
+        # broadcast before each forward; gradients live in DDP's buckets (no second fp32 copy)
+        return DistributedDataParallel(module, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
 
     def _fsdp_precision(self):
         """bf16 training: FSDP gathers the weights in bf16.
