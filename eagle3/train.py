@@ -472,7 +472,11 @@ class Trainer:
             # One unit: the layer is driven through qkv()/finish(), not forward(), so a
             # separate midlayer unit would never be unsharded. Master weights, gradients and
             # optimizer state are sharded; the full weights exist only from forward to backward.
-            fully_shard(module, mp_policy=self._fsdp_precision())
+            # Frozen weights (the target's embedding: 1 GiB bf16 for Llama-3.1-8B) stay whole on
+            # every rank: sharded they would be gathered in full for every micro-batch anyway,
+            # one more all-gather that a single unit cannot overlap with compute.
+            frozen = {p for p in module.parameters() if not p.requires_grad}
+            fully_shard(module, mp_policy=self._fsdp_precision(), ignored_params=frozen or None)
             return module
         from torch.nn.parallel import DistributedDataParallel
 

@@ -695,7 +695,8 @@ FSDP_SCRIPT = textwrap.dedent(
                       out, log=lambda s: None)
     gathered = {}
     trainer.draft.fc.register_forward_pre_hook(lambda m, a: gathered.update(fc=str(m.weight.dtype)) and None)
-    shards = {n: [p.to_local().numel(), p.numel()] for n, p in trainer.module.named_parameters()}
+    shards = {n: [p.to_local().numel() if hasattr(p, "to_local") else None, p.numel(), p.requires_grad]
+              for n, p in trainer.module.named_parameters()}
     trainer.train()
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump({"shards": shards, "gathered": gathered}, f)
@@ -706,8 +707,9 @@ FSDP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
-    """Each rank holds half of every parameter at rest (master weights, hence grads and AdamW
-    state); under bf16 the weights the forward sees are gathered in bf16, not fp32."""
+    """Each rank holds half of every trained parameter at rest (master weights, hence grads and
+    AdamW state); the frozen target embedding stays whole (never gathered); under bf16 the weights
+    the forward sees are gathered in bf16, not fp32."""
     script = tmp_path / "fsdp_worker.py"
     script.write_text(FSDP_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -716,9 +718,11 @@ def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert len(ranks[0]["shards"]) >= 10
-    for name, (local, total) in ranks[0]["shards"].items():
-        assert local * 2 == total and ranks[1]["shards"][name] == [local, total], name
+    trained = {n: v for n, v in ranks[0]["shards"].items() if v[2]}
+    assert len(trained) >= 10 and "draft.fc.weight" in trained
+    for name, (local, total, _) in trained.items():
+        assert local * 2 == total and ranks[1]["shards"][name] == [local, total, True], name
+    assert ranks[0]["shards"]["draft.embed_tokens.weight"] == [None, V * HT, False]  # frozen: not a DTensor
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == {"fc": "torch.bfloat16"}
     losses = [h["train/loss"] for h in _history(tmp_path) if "train/loss" in h]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
