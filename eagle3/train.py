@@ -497,7 +497,9 @@ class Trainer:
 
         if self.autocast_dtype is None:
             return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32)
+        # inputs keep their dtypes: the teacher distribution and the loss divisor are fp32 on purpose
+        return MixedPrecisionPolicy(param_dtype=self.autocast_dtype, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
 
     def _autocast(self):
         if self.autocast_dtype is None:

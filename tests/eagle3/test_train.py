@@ -695,11 +695,15 @@ FSDP_SCRIPT = textwrap.dedent(
                       out, log=lambda s: None)
     gathered = {}
     trainer.draft.fc.register_forward_pre_hook(lambda m, a: gathered.update(fc=str(m.weight.dtype)) and None)
+    inputs = {}
+    trainer.module.register_forward_pre_hook(  # runs after FSDP's own pre-forward (registered first)
+        lambda m, a, kw: inputs.update({k: str(kw[k].dtype) for k in ("target_p", "loss_norm") if k in kw}) and None,
+        with_kwargs=True)
     shards = {n: [p.to_local().numel() if hasattr(p, "to_local") else None, p.numel(), p.requires_grad]
               for n, p in trainer.module.named_parameters()}
     trainer.train()
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"shards": shards, "gathered": gathered}, f)
+        json.dump({"shards": shards, "gathered": gathered, "inputs": inputs}, f)
     torch.distributed.destroy_process_group()
     """
 )
@@ -724,6 +728,8 @@ def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
         assert local * 2 == total and ranks[1]["shards"][name] == [local, total, True], name
     assert ranks[0]["shards"]["draft.embed_tokens.weight"] == [None, V * HT, False]  # frozen: not a DTensor
     assert ranks[0]["gathered"] == ranks[1]["gathered"] == {"fc": "torch.bfloat16"}
+    # the teacher distribution and the loss divisor reach the loss in fp32 (not cast with the weights)
+    assert ranks[0]["inputs"] == {"target_p": "torch.float32", "loss_norm": "torch.float32"}
     losses = [h["train/loss"] for h in _history(tmp_path) if "train/loss" in h]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
