@@ -12,7 +12,9 @@ Owns the on-disk dataset and the contract the trainer reads:
 
 Risks: disk (4 * H * 2 bytes per token in bf16, reference eagle3-training.md (e).4), hence the
 estimate and free-space check before writing; and kills mid-dump, hence tmp + atomic rename,
-sha256 per shard and resume.
+sha256 per shard and resume. The dump must keep pace with the target's forward: device->host
+copies overlap the next batch's forward (`_HostCopier`) and shards are written and hashed on
+writer threads while the next one is captured (`_capture_and_write`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ while a response is being generated.
 
 Risk: resuming must reproduce the uninterrupted run; checkpoints carry model, optimizer,
 scheduler, RNG states and the data position, are written to a temp dir then renamed, and
-a resume with a different training config is refused.
+a resume with a different training config is refused. Multi-GPU scaling depends on the input
+pipeline never stalling the GPU (loader workers, pinned non_blocking copies, no host sync per
+step) and on each rank getting CPU threads; a rank that dies is reported by rank with its log
+tail (out_dir/torchrun_logs) and its process group is killed.
 """
 
 from __future__ import annotations
