@@ -211,7 +211,8 @@ class DataConfig(StrictModel):
         ge=1,
         le=1_000_000,
         description="Samples per offline hidden-state shard; a shard is built in RAM "
-        "(about shard_size x max_length x 4 x H x 2 bytes in bf16), so lower it for large targets.",
+        "(about shard_size x max_length x 4 x H x 2 bytes in bf16) and up to 3 are held at once "
+        "(one captured, two being written), so lower it for large targets.",
     )
     draft_vocab_size: int = Field(
         512, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
@@ -275,7 +276,16 @@ class TrainConfig(StrictModel):
     loss_chunk_tokens: int = Field(
         8192, ge=16, le=1_048_576, description="Rows per chunk of the teacher logits and of the fused draft loss."
     )
-    num_workers: int = Field(0, ge=0, le=64, description="DataLoader worker processes per rank.")
+    num_workers: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="DataLoader worker processes per rank: they read and collate the next micro-batches while the "
+        "current one trains (0 = load on the training thread, which stalls every step).",
+    )
+    prefetch_factor: int = Field(
+        4, ge=1, le=64, description="Micro-batches each DataLoader worker keeps ready ahead (with num_workers > 0)."
+    )
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Most recent step checkpoints kept on disk.")
     eval_max_batches: int | None = Field(
         None, ge=1, description="Validation batches per rank per evaluation; None = the whole split."

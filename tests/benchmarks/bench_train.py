@@ -13,30 +13,43 @@ MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal 
 all x3 for fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
 rate measured here. Prints a table; writes JSON (--out).
 
+--loop instead runs the REAL training loop (`eagle3.train.train_draft`, the same entry the
+pipeline uses, torchrun relaunch included) on synthetic offline shards of the project's format
+written to a tmp dir: one GPU, DDP x2, FSDP x2 (`--modes`), N optimizer steps each at per-GPU
+batch x grad_accum, and reports the loop's tokens/s (median of the log windows after the
+compile warm-up), per-GPU tokens/s, scaling efficiency vs one GPU, MFU, the highest rank's peak
+memory, and the loss.
+
     python tests/benchmarks/bench_train.py            # CUDA, full shape (skips without CUDA)
     python tests/benchmarks/bench_train.py --tiny     # CPU smoke test with a tiny shape
+    python tests/benchmarks/bench_train.py --loop     # 2 GPUs: single, DDP x2, FSDP x2 loops
+    python tests/benchmarks/bench_train.py --loop --tiny --modes single,ddp   # CPU (gloo) smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
 import eagle3.losses as losses  # noqa: E402
 import eagle3.model as model_mod  # noqa: E402
 from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.losses import compute_teacher  # noqa: E402
 from eagle3.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
-from eagle3.train import Eagle3TTTModule, clip_and_step  # noqa: E402
+from eagle3.train import Eagle3TTTModule, clip_and_step, train_draft  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -47,6 +60,8 @@ LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
+LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp")}  # mode -> (devices, strategy)
+TARGET_LAYERS = 32
 
 
 def useful_flops_per_token(cfg: DraftModelConfig, seq: int, ttt: int) -> dict[str, float]:
@@ -249,6 +264,174 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
             "top_kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in top]}
 
 
+# ---------------------------------------------------------------- the real trainer loop
+
+
+def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0) -> Path:
+    """A target dir as train_draft reads it: config.json + model.safetensors (embed_tokens, lm_head)."""
+    from safetensors.torch import save_file
+
+    target_dir.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": TARGET_LAYERS,
+              "hidden_size": shape["target_hidden_size"], "intermediate_size": shape["intermediate_size"],
+              "num_attention_heads": shape["num_attention_heads"], "num_key_value_heads": shape["num_key_value_heads"],
+              "head_dim": shape["head_dim"], "vocab_size": shape["vocab_size"], "tie_word_embeddings": False,
+              "rms_norm_eps": shape.get("rms_norm_eps", 1e-5), "rope_theta": shape.get("rope_theta", 10000.0),
+              "rope_scaling": shape.get("rope_scaling"),
+              "max_position_embeddings": shape.get("max_position_embeddings", 4096)}
+    (target_dir / "config.json").write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    size = (shape["vocab_size"], shape["target_hidden_size"])
+    save_file({"model.embed_tokens.weight": (torch.randn(size, generator=g) * 0.02).bfloat16(),
+               "lm_head.weight": (torch.randn(size, generator=g) * 0.02).bfloat16()},
+              str(target_dir / "model.safetensors"))
+    return target_dir
+
+
+def write_synthetic_dataset(data_dir: Path, shape: dict, lengths: dict[str, list[int]], shard_size: int,
+                            seed: int = 0) -> Path:
+    """Offline shards + manifest.json (eagle3/data.py format, bf16) and the draft vocab, random content.
+
+    lengths: tokens of each sample per split, e.g. {"train": [2048] * 32, "validation": [2048] * 2}.
+    The random states are drawn once and sliced for every shard: their values do not change speed.
+    """
+    from eagle3.data import FORMAT_VERSION, MANIFEST, _write_shard
+    from eagle3.vocab import build_draft_vocab, save_draft_vocab
+
+    hidden, k, vocab = shape["target_hidden_size"], len(shape["aux_layer_ids"]), shape["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    most = max(sum(lens[i : i + shard_size]) for lens in lengths.values() for i in range(0, len(lens), shard_size))
+    aux_pool = torch.randn(most, k * hidden, generator=g, dtype=torch.bfloat16)
+    last_pool = torch.randn(most, hidden, generator=g, dtype=torch.bfloat16)
+    out = data_dir / "hidden_states"
+    out.mkdir(parents=True, exist_ok=True)
+    entries, sample_id = [], 0
+    for split, lens in lengths.items():
+        for n, start in enumerate(range(0, len(lens), shard_size)):
+            part = lens[start : start + shard_size]
+            tokens = sum(part)
+            tensors = {"input_ids": torch.randint(0, vocab, (tokens,), generator=g),
+                       "loss_mask": torch.ones(tokens, dtype=torch.uint8),
+                       "lengths": torch.tensor(part, dtype=torch.long),
+                       "sample_ids": torch.arange(sample_id, sample_id + len(part)),
+                       "aux_hidden_states": aux_pool[:tokens], "last_hidden_states": last_pool[:tokens]}
+            name = f"{split}-{n:05d}.safetensors"
+            digest, size = _write_shard(tensors, out / name)
+            entries.append({"file": name, "split": split, "num_samples": len(part), "num_tokens": tokens,
+                            "sha256": digest, "bytes": size})
+            sample_id += len(part)
+    manifest = {"format_version": FORMAT_VERSION, "fingerprint": "synthetic", "architecture": "LlamaForCausalLM",
+                "num_hidden_layers": TARGET_LAYERS, "hidden_size": hidden, "aux_layer_ids": shape["aux_layer_ids"],
+                "hf_indices": [i + 1 for i in shape["aux_layer_ids"]], "num_aux": k, "dtype": "bfloat16",
+                "max_length": max(max(v) for v in lengths.values()),
+                "num_samples": {sp: len(v) for sp, v in lengths.items()},
+                "num_tokens": {sp: sum(v) for sp, v in lengths.items()}, "complete": True, "shards": entries}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    counts = torch.randint(1, 1000, (vocab,), generator=g)
+    save_draft_vocab(build_draft_vocab(counts, shape["draft_vocab_size"]), data_dir / "vocab")
+    return data_dir
+
+
+def loop_config(mode: str, args) -> TrainConfig:
+    devices, strategy = LOOP_MODES[mode]
+    return TrainConfig(ttt_steps=args.ttt, batch_size=args.batch, grad_accum=args.grad_accum, max_steps=args.steps,
+                       epochs=10_000, lr=1e-5, warmup_ratio=0.0, log_every=args.log_every, eval_every=10**9,
+                       checkpoint_every=10**9, eval_max_batches=1, devices=devices, strategy=strategy,
+                       compile=not args.tiny, loss_chunk_tokens=args.chunk)
+
+
+def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
+    """One train_draft run; one GPU runs as its own process (`python -m eagle3.train`, as a rank
+    would) so no mode inherits another's GPU memory; devices=2 goes through train_draft's torchrun relaunch."""
+    cfg = loop_config(mode, args)
+    t0 = time.perf_counter()
+    if cfg.devices == 1:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "cfg.json").write_text(cfg.model_dump_json())
+        cmd = [sys.executable, "-m", "eagle3.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
+               "--out-dir", str(out_dir), "--config", str(out_dir / "cfg.json"),
+               "--aux-layer-ids", ",".join(map(str, shape["aux_layer_ids"])),
+               "--draft-vocab-size", str(shape["draft_vocab_size"])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            return {"mode": mode, "error": proc.stderr[-1500:]}
+    else:
+        try:
+            train_draft(data_dir, target_dir, cfg, out_dir, aux_layer_ids=shape["aux_layer_ids"],
+                        draft_vocab_size=shape["draft_vocab_size"], log=lambda line: None)
+        except RuntimeError as err:
+            return {"mode": mode, "error": str(err)[-1500:]}
+    rows = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/tokens_per_s" in r]
+    timed = rows[args.skip_windows :] or rows[-1:]
+    tok_s = statistics.median(r["train/tokens_per_s"] for r in timed)
+    return {"mode": mode, "world": cfg.devices, "strategy": cfg.strategy, "steps": rows[-1]["step"],
+            "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / cfg.devices,
+            "window_tokens_per_s": [r["train/tokens_per_s"] for r in rows],
+            "peak_memory_gib": rows[-1].get("train/peak_memory_gib"),
+            "first_loss": rows[0]["train/loss"], "last_loss": rows[-1]["train/loss"],
+            "wall_s": time.perf_counter() - t0}
+
+
+def run_loop(args) -> int:
+    """--loop: the real trainer loop in each of args.modes on one synthetic dataset."""
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(LOOP_MODES)
+    if unknown:
+        raise SystemExit(f"bench_train: unknown --modes {sorted(unknown)}; choose from {sorted(LOOP_MODES)}")
+    if args.tiny:
+        shape, args.seq, device = TINY, min(args.seq, 64), torch.device("cpu")
+    else:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < max(LOOP_MODES[m][0] for m in modes):
+            print(f"bench_train --loop: needs {max(LOOP_MODES[m][0] for m in modes)} CUDA GPUs (use --tiny on CPU). Skipped.")
+            return 0
+        shape, device = LLAMA31_8B, torch.device("cuda")
+    cfg = DraftModelConfig(**shape)
+    flops = useful_flops_per_token(cfg, args.seq, args.ttt)
+    matmul = measure_matmul_tflops(device, 1024 if args.tiny else 8192, torch.float32 if args.tiny else torch.bfloat16)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    per_step = args.batch * args.grad_accum * 2  # samples per optimizer step of the widest mode
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-train-loop-"))
+    t0 = time.perf_counter()
+    target_dir = write_synthetic_target(work / "target", shape)
+    data_dir = write_synthetic_dataset(work / "data", shape, {"train": [args.seq] * max(args.train_samples, per_step),
+                                                               "validation": [args.seq] * 2}, shard_size=8)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "shape": shape, "seq": args.seq, "ttt": args.ttt, "batch": args.batch, "grad_accum": args.grad_accum,
+              "steps": args.steps, "flops_per_token": flops, "matmul_tflops": matmul,
+              "dataset_write_s": time.perf_counter() - t0, "results": []}
+    for mode in modes:
+        res = run_loop_mode(mode, args, shape, target_dir, data_dir, work / f"run-{mode}")
+        if "tokens_per_s" in res:
+            res["mfu"] = flops["total"] * res["tokens_per_s_per_gpu"] / (matmul * 1e12)
+        report["results"].append(res)
+        print(json.dumps(res), flush=True)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+    print_loop_table(report)
+    return 0
+
+
+def print_loop_table(report: dict) -> None:
+    print(f"\n{report['device']}, torch {report['torch']}, matmul {report['matmul_tflops']:.3g} TFLOP/s, seq "
+          f"{report['seq']}, TTT {report['ttt']}, per-GPU batch {report['batch']} x grad_accum {report['grad_accum']}, "
+          f"{report['steps']} steps")
+    single = next((r for r in report["results"] if r["mode"] == "single" and "tokens_per_s" in r), None)
+    print(f"{'mode':<8}{'GPUs':>5}{'tok/s':>10}{'tok/s/GPU':>11}{'eff.':>7}{'MFU':>8}{'peak GiB':>10}"
+          f"{'loss@1':>9}{'loss@N':>9}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['mode']:<8} ERROR {r['error'][-300:]}")
+            continue
+        eff = f"{r['tokens_per_s_per_gpu'] / single['tokens_per_s_per_gpu']:.2f}" if single else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        print(f"{r['mode']:<8}{r['world']:>5}{r['tokens_per_s']:>10.0f}{r['tokens_per_s_per_gpu']:>11.0f}{eff:>7}"
+              f"{100 * r['mfu']:>7.1f}%{mem:>10}{r['first_loss']:>9.4f}{r['last_loss']:>9.4f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (smoke test)")
@@ -262,7 +445,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", default="fast_compiled", help="variant to profile ('' = none)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--loop", action="store_true", help="run the real trainer loop (see the docstring)")
+    parser.add_argument("--modes", default="single,ddp,fsdp", help=f"--loop: comma list from {sorted(LOOP_MODES)}")
+    parser.add_argument("--steps", type=int, default=40, help="--loop: optimizer steps per mode")
+    parser.add_argument("--grad-accum", type=int, default=2, help="--loop: micro-batches per optimizer step")
+    parser.add_argument("--log-every", type=int, default=5, help="--loop: steps per timing window")
+    parser.add_argument("--skip-windows", type=int, default=2, help="--loop: windows left out (compile warm-up)")
+    parser.add_argument("--train-samples", type=int, default=32, help="--loop: synthetic training samples")
+    parser.add_argument("--work-dir", default=None, help="--loop: where the synthetic data and runs go (default tmp)")
     args = parser.parse_args(argv)
+    if args.loop:
+        return run_loop(args)
     unknown = set((args.variants or "").split(",")) - set(ALL_VARIANTS) - {""}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")

@@ -615,3 +615,186 @@ def test_trainer_on_cuda_compiled_bf16_learns_and_checkpoints(tmp_path):
     assert all(math.isfinite(m["train/grad_norm"]) for _, m in metrics if "train/grad_norm" in m)
     embed, _, _ = make_world()
     load_draft_checkpoint(Path(summary["checkpoint"]), target_embedding=embed)
+
+
+# ---------------------------------------------------------------- scale-out: input pipeline, launch, FSDP
+
+
+def _bench_train_module():
+    """tests/benchmarks/bench_train.py, for its synthetic target and dataset writers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_train", REPO / "tests" / "benchmarks" / "bench_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rank_steps_run_across_epoch_boundaries_from_any_step():
+    plan = DataPlan(num_samples=10, batch_size=2, world_size=2, grad_accum=1, seed=3)  # 3 steps per epoch
+    by_epoch = [b for e in range(3) for b in plan.rank_batches(e, 1, 0)]
+    assert len(by_epoch) == 9 and list(plan.rank_steps(1, 0, 9)) == by_epoch
+    assert list(plan.rank_steps(1, 2, 7)) == by_epoch[2:7]  # mid-epoch start, stop inside epoch 2
+    accum = DataPlan(num_samples=12, batch_size=1, world_size=2, grad_accum=2, seed=0)  # 3 steps per epoch
+    steps = list(accum.rank_steps(0, 2, 4))
+    assert steps == list(accum.rank_batches(0, 0, 4)) + list(accum.rank_batches(1, 0, 0))[:2]
+
+
+def test_loader_workers_train_exactly_like_the_training_thread(tmp_path):
+    """num_workers > 0 reads and collates in other processes (pids recorded by the collate
+    function) and gives bit-identical training to loading on the training thread. The 4 steps
+    span 2 epochs, yet one set of training workers serves them (plus one for the evaluation)."""
+    from eagle3.train import default_collate_fn
+
+    runs = {}
+    for workers in (0, 2):
+        pids = tmp_path / f"pids-{workers}.txt"
+
+        def collate(items, pids=pids):
+            with open(pids, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return default_collate_fn(items)
+
+        embed, lm_head, mapping = make_world()
+        metrics = []
+        cfg = train_config(**GLOBAL_BATCH, batch_size=6, grad_accum=2, num_workers=workers, prefetch_factor=2)
+        Trainer(make_draft(embed, mapping), lm_head, cfg, make_items(24, 1, embed), make_items(8, 2, embed),
+                tmp_path / f"run-{workers}", collate_fn=collate, on_metrics=lambda s, m: metrics.append(m),
+                log=lambda s: None).train()
+        runs[workers] = [(m["train/loss"], m["train/grad_norm"]) for m in metrics if "train/loss" in m]
+        loader_pids = set(pids.read_text().split())
+        assert (loader_pids == {str(os.getpid())}) == (workers == 0), loader_pids
+        assert len(loader_pids) == (1 if workers == 0 else 2 * workers)  # training + final evaluation
+    assert len(runs[0]) == 4 and runs[2] == runs[0]
+
+
+def test_torchrun_env_gives_each_rank_its_share_of_the_cores():
+    from eagle3.train import torchrun_env
+
+    cores = len(os.sched_getaffinity(0))
+    env = torchrun_env(2, 1, {"PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == str(max(1, (cores - 2) // 2))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO) and env["PATH"] == "/bin"
+    assert torchrun_env(2, 1, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"  # an explicit choice is kept
+    assert torchrun_env(64, 4, {})["OMP_NUM_THREADS"] == "1"  # never 0 on a small machine
+
+
+FSDP_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, sys.argv[3])
+    from test_train import make_world, make_draft, make_items, train_config
+    from eagle3.train import Trainer
+    precision, out = sys.argv[1], sys.argv[2]
+    embed, lm_head, mapping = make_world()
+    cfg = train_config(strategy="fsdp", devices=2, batch_size=2, max_steps=2, precision=precision, eval_every=2,
+                       checkpoint_every=2)
+    trainer = Trainer(make_draft(embed, mapping), lm_head, cfg, make_items(24, 1, embed), make_items(8, 2, embed),
+                      out, log=lambda s: None)
+    gathered = {}
+    trainer.draft.fc.register_forward_pre_hook(lambda m, a: gathered.update(fc=str(m.weight.dtype)) and None)
+    inputs = {}
+    trainer.module.register_forward_pre_hook(  # runs after FSDP's own pre-forward (registered first)
+        lambda m, a, kw: inputs.update({k: str(kw[k].dtype) for k in ("target_p", "loss_norm") if k in kw}) and None,
+        with_kwargs=True)
+    shards = {n: [p.to_local().numel() if hasattr(p, "to_local") else None, p.numel(), p.requires_grad]
+              for n, p in trainer.module.named_parameters()}
+    trainer.train()
+    with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"shards": shards, "gathered": gathered, "inputs": inputs}, f)
+    torch.distributed.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
+    """Each rank holds half of every trained parameter at rest (master weights, hence grads and
+    AdamW state); the frozen target embedding stays whole (never gathered); under bf16 the weights
+    the forward sees are gathered in bf16, not fp32."""
+    script = tmp_path / "fsdp_worker.py"
+    script.write_text(FSDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "bf16", str(tmp_path), str(Path(__file__).parent)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    trained = {n: v for n, v in ranks[0]["shards"].items() if v[2]}
+    assert len(trained) >= 10 and "draft.fc.weight" in trained
+    for name, (local, total, _) in trained.items():
+        assert local * 2 == total and ranks[1]["shards"][name] == [local, total, True], name
+    assert ranks[0]["shards"]["draft.embed_tokens.weight"] == [None, V * HT, False]  # frozen: not a DTensor
+    assert ranks[0]["gathered"] == ranks[1]["gathered"] == {"fc": "torch.bfloat16"}
+    # the teacher distribution and the loss divisor reach the loss in fp32 (not cast with the weights)
+    assert ranks[0]["inputs"] == {"target_p": "torch.float32", "loss_norm": "torch.float32"}
+    losses = [h["train/loss"] for h in _history(tmp_path) if "train/loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited while we looked
+            continue
+        if text in args:
+            found.append(f"{cmdline.parent.name}: {args[:200]}")
+    return found
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_named_with_its_log_and_nothing_is_left_running(tmp_path):
+    """A validation shard from another capture (wrong aux width) that only rank 1 reads: rank 1
+    dies in its first evaluation; train_draft raises naming rank 1, its error and log tail, and
+    no rank, loader worker or torchrun outlives the call. Each rank ran with its share of the cores."""
+    from eagle3.data import _write_shard
+    from eagle3.train import torchrun_env, train_draft
+
+    bench = _bench_train_module()
+    shape = bench.TINY
+    target = bench.write_synthetic_target(tmp_path / "target", shape)
+    data = bench.write_synthetic_dataset(tmp_path / "data", shape, {"train": [16] * 8, "validation": [16, 16]},
+                                         shard_size=1)
+    k_width = len(shape["aux_layer_ids"]) * shape["target_hidden_size"]
+    _write_shard({"input_ids": torch.zeros(16, dtype=torch.long), "loss_mask": torch.ones(16, dtype=torch.uint8),
+                  "lengths": torch.tensor([16]), "sample_ids": torch.tensor([9]),
+                  "aux_hidden_states": torch.zeros(16, k_width + 8, dtype=torch.bfloat16),
+                  "last_hidden_states": torch.zeros(16, shape["target_hidden_size"], dtype=torch.bfloat16)},
+                 data / "hidden_states" / "validation-00001.safetensors")
+    out = tmp_path / "run"
+    cfg = TrainConfig(ttt_steps=2, batch_size=1, max_steps=3, eval_every=1, checkpoint_every=100, devices=2,
+                      num_workers=1)
+    logs = []
+    with pytest.raises(RuntimeError) as failure:
+        train_draft(data, target, cfg, out, aux_layer_ids=shape["aux_layer_ids"],
+                    draft_vocab_size=shape["draft_vocab_size"], log=logs.append)
+    message = str(failure.value)
+    first = message.split("\n")[0]
+    assert "rank 1 failed" in first and "ValueError: aux_hidden_states: expected last dim" in first, message[:2000]
+    tail = message.split(f"--- last lines of {out / 'torchrun_logs'}")[1]  # rank 1's stderr.log, from its dir
+    assert "/attempt_0/1/stderr.log ---" in tail and "[rank1]: ValueError: aux_hidden_states" in tail
+    assert "rank 0 failed first" not in message  # rank 0 at most lost its peer (or torchrun stopped it first)
+    assert not _processes_mentioning(str(out)), "processes left running"
+    threads = torchrun_env(2, cfg.num_workers)["OMP_NUM_THREADS"]
+    assert any(f"rank 0/2: {threads} torch threads, 1 loader workers" in line for line in logs), logs[-30:]
+
+
+def test_bench_train_loop_tiny_runs_the_real_trainer_on_cpu(tmp_path):
+    """bench_train.py --loop --tiny: train_draft on synthetic shards of the dataset format, timed
+    per log window (the GPU benchmark's code path, one process on CPU)."""
+    out = tmp_path / "loop.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "benchmarks" / "bench_train.py"), "--loop", "--tiny",
+                           "--modes", "single", "--steps", "4", "--log-every", "2", "--skip-windows", "1",
+                           "--work-dir", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (single,) = json.loads(out.read_text())["results"]
+    assert single["mode"] == "single" and single["steps"] == 4 and len(single["window_tokens_per_s"]) == 2
+    assert single["tokens_per_s"] == single["window_tokens_per_s"][1] and single["mfu"] > 0
+    assert math.isfinite(single["first_loss"]) and "tok/s/GPU" in proc.stdout
+    history = [json.loads(line) for line in (tmp_path / "work" / "run-single" / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history if "train/loss" in h] == [2, 4]
