@@ -14,6 +14,9 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from typer.testing import CliRunner
+
+from flows.cli import app
 from flows.experiment import eagle3_experiment
 from tasks.pipeline import StageFailed
 from tests.helpers import TEST_TARGET_YAML, free_port
@@ -37,7 +40,7 @@ deploy:
   preflight: {preflight}
   startup_timeout_s: 240
   extra_args: {extra_args}
-bench: {{prompts: {prompts}, num_prompts: 3, max_new_tokens: 24, warmup_runs: 1, timed_runs: 2}}
+bench: {{prompts: {prompts}, num_prompts: 3, max_new_tokens: 24, warmup_runs: 1, timed_runs: 2, sweep: {sweep}}}
 {hosts}
 """
 HEALTHY = "{num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}"
@@ -56,12 +59,13 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def write_config(workdir: Path, name: str, *, speculative: str = HEALTHY, preflight: str = "enforce",
-                 host: str = "local", hosts: str = "", extra_args: str = "[]", port: int | None = None) -> Path:
+                 host: str = "local", hosts: str = "", extra_args: str = "[]", port: int | None = None,
+                 sweep: str = "[]") -> Path:
     path = workdir / f"{name}.yaml"
     path.write_text(CONFIG.format(
         target=TEST_TARGET_YAML, runs=workdir / "runs", host=host, port=port or free_port(), speculative=speculative,
                                   preflight=preflight, hosts=hosts, extra_args=extra_args,
-                                  prompts=workdir / "prompts.jsonl"))
+                                  prompts=workdir / "prompts.jsonl", sweep=sweep))
     return path
 
 
@@ -97,14 +101,17 @@ def deploy_and_bench(config: Path, run_dir: Path) -> dict:
 
 @pytest.mark.slow
 def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir):
-    config = write_config(workdir, "healthy")
+    # The sweep's 2/1/8 is rewritten by SGLang's rule to 2/1/3, and its duplicate 3/1/4 is measured once.
+    sweep = "[{num_steps: 2, eagle_topk: 1, num_draft_tokens: 8}, {num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}]"
+    config = write_config(workdir, "healthy", sweep=sweep)
     deploy_and_bench(config, trained_run)
     stages = manifest(trained_run)["stages"]
     deploy = stages["deploy_server"]["summary"]
-    assert deploy["asked"] == deploy["effective"] | {"max_running_requests": None} or deploy["adjusted"] == {}
+    assert deploy["adjusted"] == {}
     assert deploy["effective"]["num_draft_tokens"] == 4 and deploy["draft_dtype_served"] == "float16"
     bench = bench_summary(trained_run)
-    assert [r["setting"] for r in bench["rows"]] == ["speculative 3/1/4", "baseline"]
+    assert [r["setting"] for r in bench["rows"]] == ["speculative 3/1/4", "baseline", "speculative 2/1/3"]
+    assert bench["rows"][2]["asked"]["num_draft_tokens"] == 8 and bench["rows"][2]["effective"]["num_draft_tokens"] == 3
     spec = bench["rows"][0]
     assert spec["accept_length"] > 1.0 and spec["disagreements"] == []
     # The online accept length agrees with the reference decoder run in-process on the same prompts.
@@ -126,6 +133,12 @@ def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir)
     servers = json.loads((trained_run / "servers.json").read_text())
     assert servers and all(s["status"] == "stopped" for s in servers.values())
     assert servers_alive(str(trained_run)) == []
+
+    compared = CliRunner().invoke(app, ["compare", str(trained_run)], env={"COLUMNS": "300"})
+    assert compared.exit_code == 0, compared.output
+    best = next(line for line in compared.output.splitlines() if "run_benchmark.best_tok_s" in line)
+    assert float(best.split("│")[2]) == pytest.approx(bench["metrics"]["best_tok_s"], rel=1e-3)
+    assert "3/1/4" in compared.output  # the speculative setting tag
 
 
 @pytest.mark.slow

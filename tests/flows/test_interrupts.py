@@ -194,3 +194,35 @@ def resume_env_only(config: Path, run_dir: Path, workdir: Path) -> tuple[int, st
     log = workdir / "resume-env.log"
     proc = start_cli(["run", str(config), "--run-dir", str(run_dir), "--stages", "check_environment"], log)
     return proc.wait(timeout=300), log.read_text()
+
+
+@pytest.mark.slow
+def test_a_cancelled_run_leaves_no_model_server(workdir):
+    """SIGTERM (what Prefect's runner sends when a run is cancelled from the UI) while the benchmark
+    runs against a live reference server: the flow's teardown stops it, nothing is left (ps)."""
+    from tests.helpers import free_port
+
+    config = workdir / "cancel.yaml"
+    config.write_text(CONFIG.format(target=TEST_TARGET_YAML, runs=workdir / "runs", max_steps=20) + f"""\
+deploy: {{host: local, server: reference, port: {free_port()}, speculative: {{num_steps: 2, eagle_topk: 1,
+         num_draft_tokens: 3}}, startup_timeout_s: 240}}
+bench: {{prompts: {workdir / 'cancel-prompts.jsonl'}, num_prompts: 1, max_new_tokens: 16, warmup_runs: 100,
+        timed_runs: 1000}}
+""")
+    (workdir / "cancel-prompts.jsonl").write_text('{"prompt": "Say hello."}\n')
+    log = workdir / "cancel.log"
+    proc = start_cli(["run", str(config)], log)
+    wait_for_line(log, r"speculative 2/1/3: serving on local", proc)
+    wait_for_line(log, r"Task run 'run_benchmark", proc)
+    run_dir = run_dir_of(workdir)
+    servers = json.loads((run_dir / "servers.json").read_text())
+    live = [s["pid"] for s in servers.values() if s["status"] == "live"]
+    assert live and all(psutil.pid_exists(pid) for pid in live)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    servers = json.loads((run_dir / "servers.json").read_text())
+    assert all(s["status"] == "stopped" for s in servers.values()), servers
+    alive = [p.pid for p in psutil.process_iter(["cmdline"])
+             if "eagle3.serve" in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert alive == []
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["run_benchmark"]["status"] == "interrupted"
