@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PG = ["-h", "127.0.0.1", "-p", "5432", "-U", "postgres"]
 NIGHTLY_FLOW = REPO / "flows" / "nightly.py"
 
