@@ -60,7 +60,7 @@ def test_every_deployment_of_prefect_yaml_is_registered_with_its_pool_and_schema
     for declared in read_deployments(PREFECT_FILE):
         if declared.name == "nightly" and not deployed["nightly_deployed"]:
             continue
-        flow = "nightly-retrain" if declared.name == "nightly" else "eagle3-experiment"
+        flow = "eagle3-nightly" if declared.name == "nightly" else "eagle3-experiment"
         found = deployment(api, declared.name, flow)
         assert (found["work_pool_name"], found["work_queue_name"]) == (declared.pool, declared.queue)
         assert found["enforce_parameter_schema"] is True
@@ -133,7 +133,7 @@ def test_the_nightly_schedule_is_a_cron_with_a_timezone(team_servers, deployed):
     ZoneInfo(schedule["timezone"])  # a real IANA zone, or this raises
     if not deployed["nightly_deployed"]:
         pytest.skip("flows/nightly.py is not in this checkout yet: schedule checked in prefect.yaml only")
-    found = deployment(team_servers.prefect_api, "nightly", "nightly-retrain")
+    found = deployment(team_servers.prefect_api, "nightly", "eagle3-nightly")
     stored = found["schedules"][0]["schedule"]
     assert (stored["cron"], stored["timezone"], found["schedules"][0]["active"]) == ("0 2 * * *", schedule["timezone"], True)
 
