@@ -99,11 +99,14 @@ def worker_errors(log: Path) -> str:
     return "\n".join([line for line in lines if "Error" in line or "error" in line][:20] + lines[-20:])
 
 
-def form_run_id(api: str, deployment_id: str, not_this: str) -> str | None:
-    """The id of the run the form submitted (the deployment's other run was started through the API)."""
+def deployment_run_ids(api: str, deployment_id: str) -> set[str]:
     body = {"deployments": {"id": {"any_": [deployment_id]}}}
-    runs = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
-    return next((r["id"] for r in runs if r["id"] != not_this), None)
+    return {r["id"] for r in httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()}
+
+
+def form_run_id(api: str, deployment_id: str, not_these: set[str]) -> str | None:
+    """The id of the run the form submitted (not one started through the API or by earlier tests)."""
+    return next(iter(deployment_run_ids(api, deployment_id) - not_these), None)
 
 
 def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_worker, browser, screenshots, tmp_path):
@@ -116,6 +119,7 @@ def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_wo
     assert httpx.patch(f"{api}/deployments/{tiny['id']}", json={"parameters": defaults}, timeout=10).status_code == 204
     # The team's experiment exists before runs start (two runs creating it at the same moment race).
     MlflowClient(team_servers.mlflow).create_experiment("eagleops-browser")
+    earlier = deployment_run_ids(api, tiny["id"])  # runs other tests of this session started
     # A second run to compare with, started at once so both run side by side on the worker.
     other = httpx.post(f"{api}/deployments/{tiny['id']}/create_flow_run", timeout=30,
                        json={"parameters": {**defaults, "overrides": {"num_steps": 4}}}).json()
@@ -129,7 +133,8 @@ def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_wo
     fill_optional_int(browser, "Num Steps", 3)
     browser.save_screenshot(str(screenshots / "02-prefect-custom-run-form.png"))
     click_text(browser, "button", "Submit")
-    run_id = wait_for(browser, lambda d: form_run_id(api, tiny["id"], other["id"]), "the run the form created")
+    run_id = wait_for(browser, lambda d: form_run_id(api, tiny["id"], earlier | {other["id"]}),
+                      "the run the form created")
     browser.save_screenshot(str(screenshots / "03-prefect-after-submit.png"))
 
     run = wait_for_run(api, run_id, cpu_worker)
