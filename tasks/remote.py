@@ -21,6 +21,7 @@ Risks, and what guards them:
 
 from __future__ import annotations
 
+import abc
 import base64
 import codecs
 import contextlib
@@ -403,22 +404,25 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-class _ExecutorBase:
+class _ExecutorBase(abc.ABC):
     """Everything both executors share, built on `_execute` (run one shell line) and `_open_sink`."""
 
     name: str
     python: str
 
     # -- subclass hooks
+    @abc.abstractmethod
     def _execute(self, command: str, stdin: bytes | None, out: _OutputStream, err: _OutputStream,
                  deadline: float | None) -> int | None:
-        raise NotImplementedError
+        """Run one shell line; its exit status (None when the deadline passed)."""
 
+    @abc.abstractmethod
     def _open_sink(self, path: str, append: bool) -> _Sink:
-        raise NotImplementedError
+        """A writable stream into `path` on the host."""
 
+    @abc.abstractmethod
     def _home(self) -> str:
-        raise NotImplementedError
+        """The user's home directory on the host."""
 
     def _recover(self) -> None:
         """Make the next call usable after a ConnectionLost (SSH: reconnect)."""
