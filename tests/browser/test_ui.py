@@ -109,7 +109,8 @@ def form_run_id(api: str, deployment_id: str, not_these: set[str]) -> str | None
     return next(iter(deployment_run_ids(api, deployment_id) - not_these), None)
 
 
-def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_worker, browser, screenshots, tmp_path):
+def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_worker, browser, screenshots, tmp_path,
+                                                            request):
     api, ui = team_servers.prefect_api, team_servers.prefect_ui
     config = tmp_path / "browser.yaml"
     config.write_text(CONFIG.format(runs=tmp_path / "runs", mlflow=team_servers.mlflow))
@@ -117,6 +118,9 @@ def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_wo
     # The team's defaults for this deployment: the test config, only the cheap stage.
     defaults = {"config_path": str(config), "stages": ["check_environment"]}
     assert httpx.patch(f"{api}/deployments/{tiny['id']}", json={"parameters": defaults}, timeout=10).status_code == 204
+    # Shared servers: give the deployment its registered defaults back for the tests that follow.
+    request.addfinalizer(lambda: httpx.patch(f"{api}/deployments/{tiny['id']}",
+                                             json={"parameters": tiny["parameters"]}, timeout=10))
     # The team's experiment exists before runs start (two runs creating it at the same moment race).
     MlflowClient(team_servers.mlflow).create_experiment("eagleops-browser")
     earlier = deployment_run_ids(api, tiny["id"])  # runs other tests of this session started
