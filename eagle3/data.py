@@ -35,13 +35,13 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import httpx
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.utils.data import Dataset
 from transformers import AutoTokenizer, GenerationConfig
 
@@ -73,6 +73,7 @@ __all__ = [
 
 ProgressFn = Callable[[str, int, int], None]
 LogFn = Callable[[str], None]
+T = TypeVar("T")
 # Starts the regeneration servers on entry, stops them on exit; yields their base URLs.
 OpenEndpoints = Callable[[], contextlib.AbstractContextManager[list[str]]]
 FAILED_FILE = "failed.jsonl"
@@ -110,11 +111,13 @@ def _record_messages(record: object, where: str) -> list[Message]:
     raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}, got {str(record)[:120]!r}")
 
 
-def read_prompts_jsonl(path: Path) -> list[list[Message]]:
-    """All conversations in a .jsonl file; a bad line raises ValueError naming file and line."""
+def read_jsonl_records(path: Path, parse: Callable[[object, str], T]) -> list[T]:
+    """`parse(record, "file:line")` for every non-empty line of a .jsonl file; bad lines raise
+    ValueError naming file and line, an absent file FileNotFoundError, an empty one ValueError."""
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file not found: {path}")
-    conversations = []
+    parsed = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -124,10 +127,15 @@ def read_prompts_jsonl(path: Path) -> list[list[Message]]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg})") from exc
-            conversations.append(_record_messages(record, where))
-    if not conversations:
+            parsed.append(parse(record, where))
+    if not parsed:
         raise ValueError(f"{path}: no prompts")
-    return conversations
+    return parsed
+
+
+def read_prompts_jsonl(path: Path) -> list[list[Message]]:
+    """All conversations in a .jsonl file; a bad line raises ValueError naming file and line."""
+    return read_jsonl_records(path, _record_messages)
 
 
 def load_conversations(data_cfg: DataConfig, log: LogFn = print) -> list[list[Message]]:

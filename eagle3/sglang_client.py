@@ -816,23 +816,9 @@ def _jsonl_record_prompt(record: Any, where: str) -> list[Message]:
 
 def load_prompts_jsonl(path: str | Path) -> list[list[Message]]:
     """Benchmark prompts from a JSONL file (see _jsonl_record_prompt); bad lines -> ValueError 'file:line'."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file not found: {path}")
-    prompts = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
-            prompts.append(_jsonl_record_prompt(record, where))
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    from eagle3.data import read_jsonl_records
+
+    return read_jsonl_records(Path(path), _jsonl_record_prompt)
 
 
 def render_prompts(conversations: Sequence[Sequence[Message]], tokenizer_dir: str | Path) -> list[list[int]]:

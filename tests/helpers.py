@@ -1,8 +1,12 @@
-"""Small pieces several test modules share: the test-size tiny target as a config block, a free port."""
+"""Small pieces several test modules share: the test-size tiny target as a config block, a free port,
+an app served on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
 
 # The test-size tiny target (builds in seconds): 7 layers so SGLang's default aux layers are distinct.
 TEST_TARGET_YAML = """\
@@ -20,3 +24,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app):
+    """uvicorn running `app` on a free 127.0.0.1 port in a daemon thread; yields the base URL, stops on exit."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "test server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

@@ -11,20 +11,16 @@ whatever its type; request errors are refused at the HTTP edge before the worker
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from test_serve_http import SEED_FLAGS, build_model_dirs
 
 from eagle3 import serve
+from tests.helpers import serve_in_thread
 
 POISON_PREFILL, POISON_DECODE = 17, 19
 TIMEOUT = httpx.Timeout(60.0)
@@ -52,24 +48,6 @@ class FaultyEngine:
         return self._engine.step(state)
 
 
-@contextlib.contextmanager
-def serve_in_thread(app):
-    """uvicorn on a free 127.0.0.1 port in a daemon thread; yields the base URL, stops on exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "test server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")

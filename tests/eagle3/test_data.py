@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import save_file
@@ -45,6 +41,7 @@ from eagle3.data import (
     split_ids,
 )
 from eagle3.tiny_target import CHAT_TEMPLATE, CONTINUE_PREFIX, DOCSTRING_PREFIX, load_target
+from tests.helpers import serve_in_thread
 
 # --------------------------------------------------------------------------- chat template + mask
 
@@ -460,24 +457,6 @@ def test_draft_vocab_larger_than_target_is_rejected(tiny_target_dir, tmp_path):
 # --------------------------------------------------------------------------- HTTP regeneration
 
 
-@contextlib.contextmanager
-def serve_in_thread(app):
-    """Run a FastAPI app with uvicorn on a free 127.0.0.1 port; yields its base URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "test server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 @pytest.fixture()

@@ -20,8 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from mlflow.tracking import MlflowClient
 
-from tests.eagle3.test_data import serve_in_thread
-from tests.helpers import TEST_TARGET_YAML, free_port
+from tests.helpers import TEST_TARGET_YAML, free_port, serve_in_thread
 
 API_KEY = "sk-leakscan-7f3a9c2e41"
 URL_PASSWORD = "pw-leakscan-b81d6f"
