@@ -44,3 +44,15 @@ def serve_in_thread(app):
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+def reference_servers_alive(marker: str) -> list[int]:
+    """Pids of `python -m eagle3.serve` processes whose command line mentions `marker` (a run folder or workdir)."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if "eagle3.serve" in line and marker in line:
+            found.append(proc.info["pid"])
+    return found

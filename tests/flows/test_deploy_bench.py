@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -19,7 +18,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.experiment import eagle3_experiment
 from tasks.pipeline import StageFailed
-from tests.helpers import TEST_TARGET_YAML, free_port
+from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 CONFIG = """\
 experiment: deploybench
@@ -69,14 +68,6 @@ def write_config(workdir: Path, name: str, *, speculative: str = HEALTHY, prefli
     return path
 
 
-def servers_alive(marker: str) -> list[int]:
-    """Reference-server processes whose command line mentions `marker` (this module's run folder)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if "eagle3.serve" in line and marker in line:
-            found.append(proc.info["pid"])
-    return found
 
 
 def manifest(run_dir: Path) -> dict:
@@ -135,7 +126,7 @@ def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir)
     assert "plots/benchmark.png" in [a.path for a in client.list_artifacts(bench_run.info.run_id, "plots")]
     servers = json.loads((trained_run / "servers.json").read_text())
     assert servers and all(s["status"] == "stopped" for s in servers.values())
-    assert servers_alive(str(trained_run)) == []
+    assert reference_servers_alive(str(trained_run)) == []
 
     compared = CliRunner().invoke(app, ["compare", str(trained_run)], env={"COLUMNS": "300"})
     assert compared.exit_code == 0, compared.output
@@ -208,7 +199,7 @@ def test_a_server_that_crashes_at_start_is_reported_with_its_log_tail(trained_ru
     config = write_config(workdir, "crash", extra_args='["--tokenizer-path", "/nonexistent/tokenizer"]')
     with pytest.raises(StageFailed, match=r"exited during startup; last 50 log lines[\s\S]*nonexistent"):
         deploy_and_bench(config, trained_run)
-    assert servers_alive(str(trained_run)) == []
+    assert reference_servers_alive(str(trained_run)) == []
 
 
 @pytest.mark.slow
@@ -228,4 +219,4 @@ def test_deploy_and_benchmark_over_ssh(trained_run, workdir, sshd, tmp_path):
     assert Path(deploy["placement"]["model_path"], "config.json").is_file()  # the tiny target travelled too
     rows = bench_summary(trained_run)["rows"]
     assert {r["setting"] for r in rows} == {"speculative 3/1/4", "baseline"}
-    assert servers_alive(str(remote)) == []
+    assert reference_servers_alive(str(remote)) == []

@@ -200,7 +200,7 @@ def resume_env_only(config: Path, run_dir: Path, workdir: Path) -> tuple[int, st
 def test_a_cancelled_run_leaves_no_model_server(workdir):
     """SIGTERM (what Prefect's runner sends when a run is cancelled from the UI) while the benchmark
     runs against a live reference server: the flow's teardown stops it, nothing is left (ps)."""
-    from tests.helpers import free_port
+    from tests.helpers import free_port, reference_servers_alive
 
     config = workdir / "cancel.yaml"
     config.write_text(CONFIG.format(target=TEST_TARGET_YAML, runs=workdir / "runs", max_steps=20) + f"""\
@@ -222,7 +222,5 @@ bench: {{prompts: {workdir / 'cancel-prompts.jsonl'}, num_prompts: 1, max_new_to
     assert proc.wait(timeout=120) == 143
     servers = json.loads((run_dir / "servers.json").read_text())
     assert all(s["status"] == "stopped" for s in servers.values()), servers
-    alive = [p.pid for p in psutil.process_iter(["cmdline"])
-             if "eagle3.serve" in " ".join(p.info["cmdline"] or []) and str(run_dir) in " ".join(p.info["cmdline"] or [])]
-    assert alive == []
+    assert reference_servers_alive(str(run_dir)) == []
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["run_benchmark"]["status"] == "interrupted"

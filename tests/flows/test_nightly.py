@@ -20,7 +20,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.artifacts import download_artifacts
 from mlflow.tracking import MlflowClient
@@ -31,6 +30,7 @@ from tasks.config import NightlyConfig, load_experiment
 from tasks.gate import decide, training_config
 from tasks.rundir import digest_paths, file_sha256
 from tests.mlflow_server import MlflowServer, free_port
+from tests.helpers import reference_servers_alive
 
 MODEL = "nightly-draft"
 CONFIG = """\
@@ -212,9 +212,7 @@ def test_champion_downloads_as_a_directory_sglang_loads(nightlies, postgres_mlfl
 @pytest.mark.slow
 def test_no_server_outlives_the_nightlies(nightlies):
     runs = {str(Path(n["result"]["run_dir"])) for n in nightlies.values()}
-    alive = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-             if "eagle3.serve" in " ".join(p.info["cmdline"] or []) and any(r in " ".join(p.info["cmdline"]) for r in runs)]
-    assert alive == []
+    assert [pid for run_dir in runs for pid in reference_servers_alive(run_dir)] == []
     for run_dir in runs:
         servers = json.loads((Path(run_dir) / "servers.json").read_text())
         assert servers and all(s["status"] == "stopped" for s in servers.values())

@@ -19,7 +19,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from prefect.settings import PREFECT_API_URL
@@ -27,7 +26,7 @@ from prefect.settings import PREFECT_API_URL
 from eagle3.data import read_samples
 from eagle3.tiny_target import load_target
 from flows.experiment import eagle3_experiment
-from tests.helpers import TEST_TARGET_YAML, free_port
+from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_SAMPLES = 16
@@ -69,14 +68,6 @@ PREFILL = re.compile(r"Prefill batch, #new-seq: 1, #new-token: (\d+),")
 
 
 
-def servers_alive(marker: str) -> list[int]:
-    """Reference-server processes whose command line mentions `marker` (this test's remote workdir)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        if "eagle3.serve" in line and marker in line:
-            found.append(proc.info["pid"])
-    return found
 
 
 def regeneration_log(runs: Path) -> Path | None:
@@ -133,7 +124,7 @@ def test_data_stage_regenerates_through_servers_it_deploys_over_ssh(prefect_harn
     (run_dir,) = (runs / "regenssh").iterdir()
     killed_servers = json.loads((run_dir / "servers.json").read_text())
     assert len(killed_servers) == 2 and {s["status"] for s in killed_servers.values()} == {"live"}
-    assert len(servers_alive(str(remote))) == 2
+    assert len(reference_servers_alive(str(remote))) == 2
     assert not (log.parent / "samples.jsonl").exists()
 
     # 2. resumed in the same run folder: new servers, only the unanswered prompts are asked
@@ -158,4 +149,4 @@ def test_data_stage_regenerates_through_servers_it_deploys_over_ssh(prefect_harn
 
     # 4. no server left: the resumed run's and the killed run's (stopped by the flow's teardown)
     assert {s["status"] for s in registry.values()} == {"stopped"} and len(registry) == 4
-    assert servers_alive(str(remote)) == []
+    assert reference_servers_alive(str(remote)) == []
