@@ -62,6 +62,7 @@ KILL_AFTER_S = 5
 PROGRESS_EVERY_S = 5.0
 # A blocked send or a silent peer for this long means the connection is gone.
 CHANNEL_IO_TIMEOUT_S = 120.0
+TUNNEL_POLL_S = 0.5  # how often a tunnel's blocked reads look at stop()
 SECRET_ENV_KEY = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|PASSPHRASE|CREDENTIAL", re.IGNORECASE)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MASK = "****"
@@ -956,19 +957,43 @@ def _open_direct_tcpip(transport: paramiko.Transport, address: str, port: int, t
 
 
 def _pump(channel: paramiko.Channel, out: _OutputStream, err: _OutputStream, deadline: float | None) -> int | None:
-    """Feed stdout/stderr to their streams until the command ends; None past the deadline."""
+    """Feed stdout/stderr to their streams until the command ends; None past the deadline.
+
+    Polls with a short, growing pause instead of select() on `channel.fileno()`: that fileno is a
+    pipe that paramiko's transport thread writes to while this thread may be closing it, and a
+    write that loses the race raises EPIPE/EBADF in the transport thread, which then drops the
+    whole SSH connection (and every tunnel and command on it).
+    """
+    pause = _Backoff()
     while True:
         if channel.recv_ready():
             out.feed(channel.recv(1 << 16))
+            pause.reset()
         elif channel.recv_stderr_ready():
             err.feed(channel.recv_stderr(1 << 16))
+            pause.reset()
         elif channel.exit_status_ready() and (channel.eof_received or channel.closed):
             return channel.recv_exit_status()
         elif deadline is not None and time.monotonic() > deadline:
             return None
         else:
-            # The channel's fileno is a pipe paramiko sets when data, EOF or close arrives.
-            select.select([channel], [], [], 0.5)
+            pause.sleep()
+
+
+class _Backoff:
+    """Idle waits of 1 ms doubling to 50 ms: quick on chatty output, cheap on a quiet command."""
+
+    FIRST_S, LAST_S = 0.001, 0.05
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.next_s = self.FIRST_S
+
+    def sleep(self) -> None:
+        time.sleep(self.next_s)
+        self.next_s = min(self.next_s * 2, self.LAST_S)
 
 
 class _ChannelSink:
@@ -1051,32 +1076,45 @@ class _Tunnel:
             self._spawn(self._pipe, conn, channel)
 
     def _pipe(self, conn: socket.socket, channel: paramiko.Channel) -> None:
+        """One thread per direction with blocking reads (never select() on the channel, see _pump).
+
+        An end that finishes half-closes the other side, as a TCP proxy should: the client reads
+        the server's EOF instead of a reset, and a request already sent still gets its answer.
+        """
+        conn.settimeout(TUNNEL_POLL_S)
+        channel.settimeout(TUNNEL_POLL_S)
+        upstream = threading.Thread(target=self._copy, args=(conn.recv, channel.sendall, channel.shutdown_write),
+                                    daemon=True, name=f"tunnel-{self.local_port}-up")
+        upstream.start()
         try:
-            while not self._stop.is_set():
-                ready, _, _ = select.select([conn, channel], [], [], 0.5)
-                if conn in ready and not _relay(conn.recv, channel.sendall):
-                    return
-                if channel in ready and not _relay(channel.recv, conn.sendall):
-                    return
-        except (OSError, EOFError, paramiko.SSHException):
-            return  # either end went away: the finally closes both
+            self._copy(channel.recv, conn.sendall, lambda: conn.shutdown(socket.SHUT_WR))
+            upstream.join()
         finally:
             conn.close()
             _close_quietly(channel)
+
+    def _copy(self, recv: Callable[[int], bytes], send: Callable[[bytes], None], finish: Callable[[], None]) -> None:
+        """recv -> send until EOF (then `finish`), an error on either end, or stop()."""
+        while not self._stop.is_set():
+            try:
+                data = recv(1 << 16)
+            except TimeoutError:
+                continue
+            except (OSError, EOFError, paramiko.SSHException):
+                return
+            try:
+                if not data:
+                    finish()
+                    return
+                send(data)
+            except (OSError, EOFError, paramiko.SSHException):
+                return
 
     def stop(self) -> None:
         self._stop.set()
         self._listener.close()
         for thread in self._threads:
             thread.join(timeout=5)
-
-
-def _relay(recv: Callable[[int], bytes], send: Callable[[bytes], None]) -> bool:
-    data = recv(1 << 16)
-    if not data:
-        return False
-    send(data)
-    return True
 
 
 # --------------------------------------------------------------------------- entry points
