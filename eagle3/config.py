@@ -266,6 +266,17 @@ class TrainConfig(StrictModel):
     eval_every: int = Field(200, ge=1, description="Optimizer steps between validation passes.")
     log_every: int = Field(10, ge=1, description="Optimizer steps between metric reports.")
     devices: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per node, launched with torchrun when > 1.")
+    nodes: list[str] = Field(
+        default_factory=list,
+        description="Machines to train on, one torchrun node each with `devices` ranks: hosts[].name entries "
+        "(reached over SSH) or `local`. Empty = this machine, as a single process or one `--standalone` node.",
+    )
+    rendezvous: str | None = Field(
+        None,
+        pattern=r"^[^\s:]+:\d{1,5}$",
+        description="address:port where node 0 hosts torchrun's store, reachable from every node; default: node "
+        "0's inventory address (127.0.0.1 for `local`) and port 29500.",
+    )
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-device strategy.")
     attention: Literal["fast", "dense"] = Field(
         "fast",

@@ -56,7 +56,7 @@ MetricsFn = Callable[[int, dict[str, float]], None]
 ProgressFn = Callable[[int, int], None]
 # Fields that may change between a run and its resume: they do not change the math.
 RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpoints", "num_workers", "prefetch_factor",
-                    "eval_max_batches"}
+                    "eval_max_batches", "rendezvous"}
 _STAT_ROWS = 4  # ce_sum, counted positions, correct, loss-masked positions
 
 
@@ -759,6 +759,7 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpt = find_latest_checkpoint(self.ckpt_root) if self.ckpt_root.exists() else None
+        self._check_same_checkpoint_everywhere(ckpt)
         if ckpt is None:
             return
         state = json.loads((ckpt / "trainer_state.json").read_text())
@@ -785,6 +786,19 @@ class Trainer:
             with open(self.out_dir / "history.jsonl", "w") as f:
                 f.writelines(json.dumps(h) + "\n" for h in self.history)
             self.log(f"resumed from {ckpt} at step {self.step}")
+
+    def _check_same_checkpoint_everywhere(self, ckpt: Path | None) -> None:
+        """Every rank resumes from the same step, before any collective load could hang on a rank
+        that found none (nodes without a shared disk each read their own copy of node 0's)."""
+        if self.info.world_size == 1:
+            return
+        step = json.loads((ckpt / "trainer_state.json").read_text())["step"] if ckpt else 0
+        extremes = torch.tensor([step, -step], dtype=torch.int64, device=self.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        highest, lowest = int(extremes[0]), -int(extremes[1])
+        if highest != lowest:
+            raise ValueError(f"ranks found different checkpoints under {self.ckpt_root} (this rank: step {step}; "
+                             f"all: steps {lowest}..{highest}); every node needs node 0's latest checkpoint to resume")
 
     def _check_resumable(self, ckpt: Path, state: dict) -> None:
         saved, current = state["train_config"], self.cfg.model_dump(mode="json")
@@ -934,6 +948,36 @@ def torchrun_env(nproc: int, num_workers: int, environ: dict[str, str] | None = 
     return env
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """This machine's place in a multi-node torchrun: static rendezvous, node 0 hosts the store.
+
+    Static, not c10d: global rank 0 (checkpoints, history.jsonl, summary.json) must be on node 0,
+    whose files the orchestrator reads; c10d hands out node ranks in joining order.
+    """
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def torchrun_args(self) -> list[str]:
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def torchrun_command(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path, devices: int,
+                     aux_layer_ids: list[int], draft_vocab_size: int, node: NodePlace | None = None,
+                     python: str = sys.executable) -> list[str]:
+    """`python -m torch.distributed.run ... -m eagle3.train ...`, one node (`--standalone`) or `node`."""
+    place = ["--standalone"] if node is None else node.torchrun_args()
+    return [python, "-m", "torch.distributed.run", *place, f"--nproc_per_node={devices}",
+            "--log-dir", str(out_dir / "torchrun_logs"), "--redirects", "3", "--tee", "3",
+            "-m", "eagle3.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
+            "--out-dir", str(out_dir), "--config", str(config_file),
+            "--aux-layer-ids", ",".join(map(str, aux_layer_ids)), "--draft-vocab-size", str(draft_vocab_size)]
+
+
 def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vocab_size, on_metrics, log):
     """Run `python -m eagle3.train` under torchrun, relay its output and metrics; raise naming the
     failed rank and its log tail. Every rank's stdout/stderr is also kept in out_dir/torchrun_logs."""
@@ -942,11 +986,8 @@ def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vo
     (out_dir / "summary.json").unlink(missing_ok=True)
     log_dir = out_dir / "torchrun_logs"
     shutil.rmtree(log_dir, ignore_errors=True)  # so a failure report never reads an earlier launch's files
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg.devices}",
-           "--log-dir", str(log_dir), "--redirects", "3", "--tee", "3",
-           "-m", "eagle3.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
-           "--out-dir", str(out_dir), "--config", str(out_dir / "train_config.json"),
-           "--aux-layer-ids", ",".join(map(str, aux_layer_ids)), "--draft-vocab-size", str(draft_vocab_size)]
+    cmd = torchrun_command(data_dir, target_dir, out_dir / "train_config.json", out_dir, cfg.devices, aux_layer_ids,
+                           draft_vocab_size)
     env = torchrun_env(cfg.devices, cfg.num_workers)
     log(f"launching (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank): " + " ".join(cmd))
     history = out_dir / "history.jsonl"
@@ -965,6 +1006,35 @@ def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vo
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun training exited with {proc.returncode}: {describe_rank_failures(log_dir)}")
     return json.loads((out_dir / "summary.json").read_text())
+
+
+NODE_STATUS = "node_status.json"
+
+
+def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path, aux_layer_ids: list[int],
+             draft_vocab_size: int, node: NodePlace) -> int:
+    """One node of a multi-node run, started by an orchestrator (detached, as its process group's leader).
+
+    Runs torchrun in the foreground of this process group, so the orchestrator's kill of the group
+    reaches torchrun, every rank and their loader workers. Leaves out_dir/node_status.json
+    (exit code, which rank failed and its log tail) for the orchestrator; returns the exit code.
+    """
+    cfg = TrainConfig.model_validate_json(Path(config_file).read_text())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / NODE_STATUS).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "torchrun_logs", ignore_errors=True)
+    cmd = torchrun_command(data_dir, target_dir, config_file, out_dir, cfg.devices, aux_layer_ids, draft_vocab_size,
+                           node)
+    env = torchrun_env(cfg.devices, cfg.num_workers)
+    print(f"node {node.node_rank}/{node.nnodes} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank): "
+          + " ".join(cmd), flush=True)
+    returncode = subprocess.call(cmd, env=env)
+    status = {"node_rank": node.node_rank, "returncode": returncode, "finished_at": time.time(),
+              "failures": describe_rank_failures(out_dir / "torchrun_logs") if returncode else ""}
+    tmp = out_dir / (NODE_STATUS + ".tmp")
+    tmp.write_text(json.dumps(status))
+    tmp.replace(out_dir / NODE_STATUS)
+    return returncode
 
 
 def _kill_process_group(proc: subprocess.Popen) -> None:
@@ -1036,24 +1106,43 @@ def _relay_metrics(history: Path, seen: set, on_metrics: MetricsFn | None) -> se
     return seen
 
 
-@record  # a raising rank writes its traceback to the error file torchrun names (see describe_rank_failures)
-def main(argv: list[str] | None = None) -> None:
-    """torchrun entry: `python -m eagle3.train --data-dir D --target-dir T --out-dir O --config C.json ...`."""
+def _parse_args(argv: list[str] | None):
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     for flag in ("--data-dir", "--target-dir", "--out-dir", "--config", "--aux-layer-ids", "--draft-vocab-size"):
         parser.add_argument(flag, required=True)
-    args = parser.parse_args(argv)
+    node = parser.add_argument_group("multi-node launcher (run_node) instead of a rank")
+    node.add_argument("--node-rank", type=int)
+    node.add_argument("--nnodes", type=int)
+    node.add_argument("--master-addr")
+    node.add_argument("--master-port", type=int)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3.train --data-dir D --target-dir T --out-dir O --config C.json ...`: a torchrun rank,
+    or with --node-rank/--nnodes/--master-addr/--master-port, the launcher of one node (run_node)."""
+    args = _parse_args(argv)
+    aux_layer_ids = [int(i) for i in args.aux_layer_ids.split(",")]
+    if args.node_rank is not None:
+        node = NodePlace(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+        return run_node(Path(args.data_dir), Path(args.target_dir), Path(args.config), Path(args.out_dir),
+                        aux_layer_ids, int(args.draft_vocab_size), node)
+    _rank_main(args, aux_layer_ids)
+    return 0
+
+
+@record  # a raising rank writes its traceback to the error file torchrun names (see describe_rank_failures)
+def _rank_main(args, aux_layer_ids: list[int]) -> None:
     cfg = TrainConfig.model_validate_json(Path(args.config).read_text())
     print(f"rank {os.environ.get('RANK', '0')}/{os.environ.get('WORLD_SIZE', '1')}: {torch.get_num_threads()} torch "
           f"threads, {cfg.num_workers} loader workers", flush=True)
     train_draft(Path(args.data_dir), Path(args.target_dir), cfg, Path(args.out_dir),
-                aux_layer_ids=[int(i) for i in args.aux_layer_ids.split(",")],
-                draft_vocab_size=int(args.draft_vocab_size))
+                aux_layer_ids=aux_layer_ids, draft_vocab_size=int(args.draft_vocab_size))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -201,6 +201,12 @@ class ExperimentConfig(StrictModel):
             raise ValueError(f"hosts: duplicate host names {duplicates}")
         if self.deploy.host != "local" and self.deploy.host not in names:
             raise ValueError(f"deploy.host '{self.deploy.host}' is neither 'local' nor one of hosts[].name {names}")
+        unknown_nodes = [n for n in self.train.nodes if n != "local" and n not in names]
+        if unknown_nodes:
+            raise ValueError(f"train.nodes {unknown_nodes} are neither 'local' nor hosts[].name {names}")
+        if self.train.nodes and self.data.hidden_states == "online":
+            raise ValueError("train.nodes needs data.hidden_states: offline (online features load the target in "
+                             "the orchestrating process)")
         if self.target.kind == "tiny" and self.data.draft_vocab_size > self.target.tiny.vocab_size:
             raise ValueError(
                 f"data.draft_vocab_size ({self.data.draft_vocab_size}) exceeds the target vocabulary "

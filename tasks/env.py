@@ -26,7 +26,8 @@ class EnvironmentCheckFailed(RuntimeError):
 
 def needs_for(cfg: ExperimentConfig) -> Needs:
     """What the experiment asks of the machine that runs its stages."""
-    gpu = cfg.train.precision == "bf16" or cfg.train.devices > 1 or cfg.target.kind == "hf"
+    # Training here asks for a GPU only for bf16: devices > 1 on a CPU is torchrun with gloo; train.nodes train elsewhere.
+    gpu = (cfg.train.precision == "bf16" and not cfg.train.nodes) or cfg.target.kind == "hf"
     return Needs(
         gpu=gpu,
         flash_attn=gpu,

@@ -21,6 +21,7 @@ from eagle3.train import train_draft as run_training
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
+from tasks.train_nodes import train_on_nodes
 
 
 def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
@@ -40,6 +41,9 @@ def _cuda() -> bool:
 
 def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_dir: Path,
            aux_layer_ids: list[int], online, progress) -> dict:
+    if cfg.train.nodes:
+        return train_on_nodes(cfg, ctx, dataset_dir, target_dir, aux_layer_ids,
+                              on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step))
     return run_training(
         dataset_dir, target_dir, cfg.train, ctx.stage_dir / "draft",
         aux_layer_ids=aux_layer_ids, draft_vocab_size=cfg.data.draft_vocab_size, online_features=online,
@@ -71,7 +75,7 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     ctx.mlflow.log_params({"aux_layer_ids": json.dumps(aux_layer_ids), "draft_vocab_size": cfg.data.draft_vocab_size})
     progress = ctx.progress()
     # On a shared CPU, one thread per idle core: oversubscribed torch threads run 5-30x slower.
-    with contextlib.nullcontext() if _cuda() else cpu_threads():
+    with contextlib.nullcontext() if _cuda() or cfg.train.nodes else cpu_threads():
         summary = _train(cfg, ctx, dataset_dir, target_dir, aux_layer_ids, online, progress)
     if summary.get("curves_png"):
         ctx.mlflow.log_artifact(summary["curves_png"], "plots")

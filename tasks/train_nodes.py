@@ -1,0 +1,339 @@
+"""train_draft on torchrun nodes (`train.nodes`): this machine or inventory hosts over SSH, one node each.
+
+Node i gets `devices` ranks; node 0 hosts the rendezvous store and global rank 0, so its disk
+holds the checkpoints, history.jsonl and summary.json. In order:
+
+1. each node's environment: its python imports torch and eagle3, and has the GPUs asked for;
+2. inputs: the dataset and target are uploaded once per host under a folder named by their
+   digest (reused by later attempts and runs; equal files are skipped), an init checkpoint and the
+   train config per node;
+3. resume: node 0's checkpoints are copied here, then to every node (ranks check they resumed
+   from the same step); launchers left by an earlier, killed attempt are stopped first;
+4. launch `python -m eagle3.train --node-rank i ...` detached on each node (its own process
+   group: torchrun, ranks, loader workers), recorded in `<stage>/nodes.json`;
+5. until every launcher exits: relay each node's log into the run log, rank 0's new history rows
+   into MLflow, watch each launcher; the first failure stops every node and raises naming the
+   node, its host, the failed rank and its log tail;
+6. node 0's output folder comes back to `<stage>/draft`, as if trained here.
+
+Whatever ends the stage -- success, a failure, Ctrl-C -- no launcher is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from eagle3.train import NODE_STATUS
+from tasks.config import ExperimentConfig
+from tasks.pipeline import StageContext, logger
+from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
+
+DEFAULT_MASTER_PORT = 29500
+POLL_S = 2.0
+NODES_FILE = "nodes.json"  # launchers of the current attempt, for stopping leftovers
+MetricsFn = Callable[[int, dict[str, float]], None]
+
+
+class NodeFailed(RuntimeError):
+    """A node's launcher failed or vanished; the message names node, host, rank and log tail."""
+
+
+@dataclass
+class Node:
+    rank: int
+    host: str  # "local" or a hosts[].name
+    root: str  # this node's folder on its machine
+    python: str
+    inputs: str  # where uploaded datasets and targets are kept on that host, by digest
+    executor: Executor
+    pid: int | None = None
+    log_offset: int = 0
+
+    @property
+    def out_dir(self) -> str:
+        return posixpath.join(self.root, "draft")
+
+    @property
+    def log_file(self) -> str:
+        return posixpath.join(self.root, "node.log")
+
+    def label(self) -> str:
+        return f"node {self.rank} ({self.host})"
+
+
+def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_dir: Path,
+                   aux_layer_ids: list[int], on_metrics: MetricsFn) -> dict[str, Any]:
+    """Train on cfg.train.nodes; the summary train_draft returns, with paths on this machine."""
+    local_out = ctx.stage_dir / "draft"
+    local_out.mkdir(parents=True, exist_ok=True)
+    nodes = [_open_node(cfg, ctx, rank, name) for rank, name in enumerate(cfg.train.nodes)]
+    try:
+        _stop_leftovers(ctx, nodes)
+        for node in nodes:
+            _check_node(cfg, node)
+        inputs = [_stage_inputs(cfg, ctx, node, dataset_dir, target_dir) for node in nodes]
+        _sync_checkpoints(nodes, local_out)
+        master = _master(cfg, nodes[0])
+        try:
+            for node, (data, target, config) in zip(nodes, inputs):
+                _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
+                _record(ctx, nodes)
+            _watch(nodes, on_metrics)
+        finally:
+            _stop_all(nodes)
+            _record(ctx, nodes)
+        return _bring_back(nodes[0], local_out)
+    finally:
+        for node in nodes:
+            node.executor.close()
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def _open_node(cfg: ExperimentConfig, ctx: StageContext, rank: int, name: str) -> Node:
+    executor = connect(name, cfg.hosts)
+    if isinstance(executor, LocalExecutor):
+        return Node(rank, name, str(ctx.stage_dir / f"node-{rank}"), executor.python, "", executor)
+    host = cfg.host(name)
+    run, train_root = ctx.run_dir, posixpath.join(executor.expand_path(host.workdir), "train")
+    root = posixpath.join(train_root, run.parent.name, run.name, ctx.stage_dir.name, f"node-{rank}")
+    return Node(rank, name, root, host.python, posixpath.join(train_root, "inputs"), executor)
+
+
+def _master(cfg: ExperimentConfig, node0: Node) -> tuple[str, int]:
+    if cfg.train.rendezvous:
+        address, port = cfg.train.rendezvous.rsplit(":", 1)
+        return address, int(port)
+    address = "127.0.0.1" if node0.host == "local" else cfg.host(node0.host).address
+    return address, DEFAULT_MASTER_PORT
+
+
+_PROBE = ("import json, torch, eagle3.train; print(json.dumps({'torch': torch.__version__, "
+          "'cuda_devices': torch.cuda.device_count() if torch.cuda.is_available() else 0}))")
+
+
+def _check_node(cfg: ExperimentConfig, node: Node) -> None:
+    """The node's python imports torch and eagle3 and has `devices` GPUs, or trains on CPU (gloo)."""
+    try:
+        result = node.executor.run([node.python, "-c", _PROBE], log_output=False, timeout=120)
+    except CommandFailed as err:
+        raise NodeFailed(f"{node.label()}: {node.python} cannot import torch and eagle3 (install eagleops "
+                         f"there): {err}") from err
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    gpus = facts["cuda_devices"]
+    if gpus and gpus < cfg.train.devices:
+        raise NodeFailed(f"{node.label()}: train.devices is {cfg.train.devices} but the host has {gpus} GPUs")
+    if not gpus and cfg.train.precision == "bf16":
+        raise NodeFailed(f"{node.label()}: train.precision bf16 needs a GPU; the host has none")
+    logger().info("%s: torch %s, %s", node.label(), facts["torch"],
+                  f"{gpus} GPUs (nccl)" if gpus else f"no GPU: {cfg.train.devices} CPU ranks (gloo)")
+
+
+def _stage_inputs(cfg: ExperimentConfig, ctx: StageContext, node: Node, dataset_dir: Path,
+                  target_dir: Path) -> tuple[str, str, str]:
+    """(dataset, target, train config) paths on the node; uploads what a remote node lacks."""
+    train_cfg = cfg.train.model_copy()
+    node.executor.makedirs(node.root)
+    if isinstance(node.executor, LocalExecutor):
+        data, target = str(dataset_dir), str(target_dir)
+    else:
+        shared = posixpath.join(node.inputs, ctx.upstream["generate_data"]["output_digest"][:16])
+        data, target = posixpath.join(shared, "dataset"), posixpath.join(shared, "target")
+        logger().info("%s: uploading the dataset and target to %s", node.label(), shared)
+        node.executor.upload_dir(dataset_dir, data)
+        node.executor.upload_dir(target_dir, target)
+        if cfg.train.init_checkpoint:
+            init = posixpath.join(node.root, "init")
+            _upload_path(node.executor, Path(cfg.train.init_checkpoint), init)
+            train_cfg.init_checkpoint = init
+    config_local = ctx.stage_dir / f"train_config.node-{node.rank}.json"
+    config_local.write_text(train_cfg.model_dump_json())
+    config = posixpath.join(node.root, "train_config.json")
+    node.executor.upload_file(config_local, config)
+    return data, target, config
+
+
+def _upload_path(executor: Executor, local: Path, remote: str) -> None:
+    if local.is_dir():
+        executor.upload_dir(local, remote)
+    else:
+        executor.makedirs(remote)
+        executor.upload_file(local, posixpath.join(remote, local.name))
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def _sync_checkpoints(nodes: list[Node], local_out: Path) -> None:
+    """Node 0's checkpoints (the newest there are) here, then this copy to every node."""
+    node0, local_ckpts = nodes[0], local_out / "checkpoints"
+    remote0 = posixpath.join(node0.out_dir, "checkpoints")
+    if node0.executor.path_exists(remote0):
+        node0.executor.download_dir(remote0, local_ckpts)
+        _download_if_present(node0, "history.jsonl", local_out)
+    if not local_ckpts.is_dir() or not any(local_ckpts.iterdir()):
+        return
+    for node in nodes:
+        logger().info("%s: resuming from the checkpoints of node 0", node.label())
+        node.executor.upload_dir(local_ckpts, posixpath.join(node.out_dir, "checkpoints"))
+
+
+def _download_if_present(node: Node, name: str, local_dir: Path) -> None:
+    remote = posixpath.join(node.out_dir, name)
+    if node.executor.path_exists(remote):
+        node.executor.download_file(remote, local_dir / name)
+
+
+# --------------------------------------------------------------------------- launch and watch
+
+
+def _launch(node: Node, nnodes: int, master: tuple[str, int], data: str, target: str, config: str,
+            aux_layer_ids: list[int], draft_vocab_size: int) -> None:
+    node.executor.run(["rm", "-f", posixpath.join(node.out_dir, NODE_STATUS), node.log_file], log_output=False,
+                      timeout=60)
+    node.executor.makedirs(node.out_dir)
+    argv = [node.python, "-m", "eagle3.train", "--data-dir", data, "--target-dir", target, "--out-dir", node.out_dir,
+            "--config", config, "--aux-layer-ids", ",".join(map(str, aux_layer_ids)),
+            "--draft-vocab-size", str(draft_vocab_size), "--node-rank", str(node.rank), "--nnodes", str(nnodes),
+            "--master-addr", master[0], "--master-port", str(master[1])]
+    node.pid = node.executor.start_detached(argv, cwd=node.root, log_file=node.log_file,
+                                            pid_file=posixpath.join(node.root, "node.pid"))
+    node.log_offset = 0
+
+
+def _watch(nodes: list[Node], on_metrics: MetricsFn) -> None:
+    """Relay logs and metrics until every launcher exited; raise NodeFailed at the first failure."""
+    metrics = _MetricsRelay(nodes[0], on_metrics)
+    running = {node.rank for node in nodes}
+    while running:
+        time.sleep(POLL_S)
+        for node in nodes:
+            _relay_log(node)
+        metrics.poll()
+        for node in [n for n in nodes if n.rank in running]:
+            if node.executor.is_alive(node.pid):
+                continue
+            _relay_log(node)
+            status = _node_status(node)
+            if status is None or status["returncode"] != 0:
+                raise NodeFailed(_failure_message(node, status))
+            logger().info("%s: finished", node.label())
+            running.discard(node.rank)
+    metrics.poll()
+
+
+def _relay_log(node: Node) -> None:
+    """New complete lines of the node's log into the run log."""
+    with contextlib.suppress(CommandFailed):
+        text = node.executor.run(["tail", "-c", f"+{node.log_offset + 1}", node.log_file], check=True,
+                                 log_output=False, timeout=60).stdout
+        complete = text[:text.rfind("\n") + 1]
+        for line in complete.splitlines():
+            logger().info("[%s] %s", node.label(), line)
+        node.log_offset += len(complete.encode())
+
+
+def _node_status(node: Node) -> dict | None:
+    try:
+        return json.loads(node.executor.read_file(posixpath.join(node.out_dir, NODE_STATUS)))
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _failure_message(node: Node, status: dict | None) -> str:
+    if status is None:
+        tail = _log_tail(node)
+        return (f"training failed on {node.label()}: its launcher (pid {node.pid}) ended without a status "
+                f"(killed?); last lines of {node.log_file}:\n{tail}")
+    return (f"training failed on {node.label()}: torchrun exited with {status['returncode']}: "
+            f"{status['failures']}")
+
+
+def _log_tail(node: Node) -> str:
+    try:
+        return node.executor.read_file(node.log_file, tail_lines=20)
+    except (FileNotFoundError, CommandFailed):
+        return "(no log)"
+
+
+class _MetricsRelay:
+    """Rank 0's new history.jsonl rows to MLflow, once each; a resume rewrites the file, so rows
+    are keyed by (step, metric names), as eagle3.train relays them on one machine."""
+
+    def __init__(self, node0: Node, on_metrics: MetricsFn):
+        self.node0, self.on_metrics = node0, on_metrics
+        self.path = posixpath.join(node0.out_dir, "history.jsonl")
+        self.seen: set = set()
+
+    def poll(self) -> None:
+        try:
+            text = self.node0.executor.read_file(self.path)
+        except (FileNotFoundError, CommandFailed):
+            return
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # being written; read again next time
+                continue
+            key = (row["step"], tuple(sorted(row)))
+            if key not in self.seen:
+                self.seen.add(key)
+                self.on_metrics(int(row.pop("step")), row)
+
+
+# --------------------------------------------------------------------------- stop, record, bring back
+
+
+def _stop_all(nodes: list[Node]) -> None:
+    """Every launcher's process group, whatever state it is in (kill_group is idempotent)."""
+    for node in nodes:
+        if node.pid is None:
+            continue
+        try:
+            node.executor.kill_group(node.pid)
+        except (RemoteError, OSError) as err:
+            logger().warning("%s: could not stop process group %d: %s", node.label(), node.pid, err)
+            continue
+        node.pid = None
+
+
+def _record(ctx: StageContext, nodes: list[Node]) -> None:
+    ctx.write_json(NODES_FILE, [{"rank": n.rank, "host": n.host, "root": n.root, "pid": n.pid} for n in nodes])
+
+
+def _stop_leftovers(ctx: StageContext, nodes: list[Node]) -> None:
+    """Launchers an earlier attempt recorded and never stopped (its orchestrator was killed)."""
+    path = ctx.stage_dir / NODES_FILE
+    if not path.is_file():
+        return
+    by_host = {n.host: n for n in nodes}
+    for entry in json.loads(path.read_text()):
+        node = by_host.get(entry["host"])
+        if entry.get("pid") is None or node is None:
+            continue
+        if node.executor.is_alive(entry["pid"]):
+            logger().warning("node %s (%s): stopping launcher %d left by an earlier run", entry["rank"],
+                             entry["host"], entry["pid"])
+            node.executor.kill_group(entry["pid"])
+
+
+def _bring_back(node0: Node, local_out: Path) -> dict[str, Any]:
+    """Node 0's outputs into `local_out`; summary paths rewritten to this machine's copies."""
+    if node0.out_dir != str(local_out):
+        node0.executor.download_dir(node0.out_dir, local_out)
+    summary = json.loads((local_out / "summary.json").read_text())
+    return {k: _localize(v, node0.out_dir, local_out) for k, v in summary.items()}
+
+
+def _localize(value: Any, remote_root: str, local_root: Path) -> Any:
+    if isinstance(value, str) and (value == remote_root or value.startswith(remote_root + "/")):
+        return str(local_root / posixpath.relpath(value, remote_root))
+    return value
+
