@@ -1,8 +1,9 @@
-"""Run commands on a host and upload files to it: over SSH (paramiko) or on this machine.
+"""Run commands on a host and move files to and from it: over SSH (paramiko) or on this machine.
 
-Owns the one `Executor` interface that deploy and benchmark stages use for `host: local` and
-for inventory hosts: argv commands, detached servers in their own process group, uploads
-that are fast, resumable, verified and atomic, and tunnels to a host's loopback ports.
+Owns the one `Executor` interface that deploy, benchmark and training stages use for `host: local`
+and for inventory hosts: argv commands, detached servers in their own process group, uploads
+that are fast, resumable, verified and atomic, downloads that are verified and atomic, and
+tunnels to a host's loopback ports.
 
 Risks, and what guards them:
 - A command string built by hand lets a config value such as `x; touch pwned` run as shell
@@ -13,7 +14,8 @@ Risks, and what guards them:
   that trusts it; nothing is ever added to known_hosts except by `trust_host`.
 - An upload cut halfway must never leave a truncated file under the final name. Data lands in
   `<dest>.part`, is renamed only after its sha256 equals the local one, and a later upload
-  continues from the `.part` size (the final hash decides whether that was safe).
+  continues from the `.part` size (the final hash decides whether that was safe). Downloads
+  likewise land in `<local>.part` and are renamed only if they hash to the host's sha256.
 - Upload speed: paramiko's SFTP `put` runs at ~0.36x scp; streaming into `cat` on an exec
   channel with aes128-gcm and packet-sized writes runs at ~0.93x (see
   /work/shared/reference/transfer-and-serving-perf.md, Part 1).
@@ -60,6 +62,9 @@ TAIL_LINES = 20
 # `timeout -k`: seconds between SIGTERM and SIGKILL for a command that overran its timeout.
 KILL_AFTER_S = 5
 PROGRESS_EVERY_S = 5.0
+# One download read takes up to this much: more than paramiko's 2 MiB channel window (see
+# _channel_source).
+DOWNLOAD_READ_BYTES = 1 << 22
 # A blocked send or a silent peer for this long means the connection is gone.
 CHANNEL_IO_TIMEOUT_S = 120.0
 TUNNEL_POLL_S = 0.5  # how often a tunnel's blocked reads look at stop()
@@ -114,6 +119,10 @@ class UploadVerifyError(RemoteError):
     """The uploaded bytes do not hash to the local file's sha256."""
 
 
+class DownloadVerifyError(RemoteError):
+    """The downloaded bytes do not hash to the remote file's sha256."""
+
+
 def tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.rstrip("\n").splitlines()[-lines:])
 
@@ -161,6 +170,25 @@ class UploadResult:
     @property
     def mb_per_s(self) -> float:
         return self.bytes_sent / 1e6 / max(self.seconds, 1e-9)
+
+
+@dataclass
+class DownloadResult:
+    """One file's download. Not an UploadResult: nothing is sent, and downloads do not resume."""
+
+    remote: str
+    local: str
+    size: int
+    sha256: str
+    bytes_received: int
+    seconds: float
+    skipped: bool = False
+    transfer_seconds: float = 0.0  # streaming the bytes into `<local>.part`, hashing them on the way
+    verify_seconds: float = 0.0  # the host hashing the file (before the transfer: it decides the skip)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_received / 1e6 / max(self.seconds, 1e-9)
 
 
 # --------------------------------------------------------------------------- commands
@@ -274,6 +302,9 @@ got=${got%% *}
 if [ "$got" = "$want" ]; then mv -f "$part" "$dest" || exit 1; fi
 echo "$got"
 """
+# Files under $1 (symlinks followed, as `scp -r` does), relative to it, NUL-separated so any
+# file name survives.
+_LIST_FILES_SCRIPT = '[ -d "$1" ] || exit 3; cd "$1" && exec find -L . -type f -print0'
 _READ_SCRIPT = '[ -f "$1" ] || exit 3; if [ -n "$2" ]; then exec tail -n "$2" "$1"; fi; exec cat "$1"'
 _PORT_PY = """import socket, sys
 probe = socket.socket()
@@ -400,13 +431,17 @@ class Executor(Protocol):
     def expand_path(self, path: str) -> str: ...
     def upload_file(self, local: str | Path, remote: str, progress: Progress | None = None) -> UploadResult: ...
     def upload_dir(self, local_dir: str | Path, remote_dir: str, progress: Progress | None = None) -> list[UploadResult]: ...
+    def download_file(self, remote: str, local: str | Path, progress: Progress | None = None) -> DownloadResult: ...
+    def download_dir(self, remote_dir: str, local_dir: str | Path,
+                     progress: Progress | None = None) -> list[DownloadResult]: ...
     def port_in_use(self, port: int) -> bool: ...
     def forward(self, remote_port: int) -> ContextManager[int]: ...
     def close(self) -> None: ...
 
 
 class _ExecutorBase(abc.ABC):
-    """Everything both executors share, built on `_execute` (run one shell line) and `_open_sink`."""
+    """Everything both executors share, built on `_execute` (run one shell line), `_open_sink` and
+    `_open_source`."""
 
     name: str
     python: str
@@ -420,6 +455,13 @@ class _ExecutorBase(abc.ABC):
     @abc.abstractmethod
     def _open_sink(self, path: str, append: bool) -> _Sink:
         """A writable stream into `path` on the host."""
+
+    @abc.abstractmethod
+    def _open_source(self, path: str) -> Iterator[bytes]:
+        """The bytes of `path` on the host, in chunks; raises at the end if the stream broke.
+
+        A generator: closing it early (the caller failed) releases the file or channel.
+        """
 
     @abc.abstractmethod
     def _home(self) -> str:
@@ -643,6 +685,100 @@ class _ExecutorBase(abc.ABC):
         return [self.upload_file(p, posixpath.join(remote_dir, p.relative_to(local_dir).as_posix()), progress)
                 for p in files]
 
+    # -- downloads
+    def download_file(self, remote: str, local: str | Path, progress: Progress | None = None, *,
+                      reconnects: int = 2) -> DownloadResult:
+        """Copy `remote` on the host to `local`: skipped if equal, verified, atomic.
+
+        The host hashes `remote` first; that sha256 decides the skip and is what the received
+        bytes, hashed while they are written to `<local>.part`, must equal before the rename. A
+        failed attempt leaves `local` as it was and no `.part`. After a dropped connection it
+        reconnects and starts again from zero, at most `reconnects` times (checkpoints are
+        fetched once, at the end of a run: resuming is not worth a second code path).
+        `progress(what, done_bytes, total_bytes)` is called per chunk (it rate-limits itself).
+        """
+        remote, local = self.expand_path(remote), Path(local)
+        progress = progress or ByteProgress(f"[{self.name}] download")
+        for attempt in range(reconnects + 1):
+            try:
+                return self._download_once(remote, local, progress)
+            except ConnectionLost as err:
+                if attempt == reconnects:
+                    raise
+                logger().warning("[%s] download of %s interrupted (%s); reconnecting to start again", self.name,
+                                 remote, err)
+                self._recover()
+        raise AssertionError("unreachable")
+
+    def _download_once(self, remote: str, local: Path, progress: Progress) -> DownloadResult:
+        started = time.monotonic()
+        size, expected = self._remote_size_and_sha256(remote)
+        verify_s = time.monotonic() - started
+        if local.is_file() and local.stat().st_size == size and sha256_file(local) == expected:
+            logger().info("[%s] %s already has sha256 %s; download skipped", self.name, local, expected[:12])
+            return DownloadResult(remote, str(local), size, expected, 0, time.monotonic() - started, skipped=True,
+                                  verify_seconds=verify_s)
+        phase = time.monotonic()
+        received = self._receive(remote, local, size, expected, progress)
+        result = DownloadResult(remote, str(local), size, expected, received, time.monotonic() - started,
+                                transfer_seconds=time.monotonic() - phase, verify_seconds=verify_s)
+        logger().info("[%s] downloaded %s -> %s: %.1f MB in %.1f s (%.1f MB/s; hashing on the host %.1f s)",
+                      self.name, remote, local, received / 1e6, result.seconds, result.mb_per_s, verify_s)
+        return result
+
+    def _remote_size_and_sha256(self, remote: str) -> tuple[int, str]:
+        """Size (for progress) and sha256 of `remote`; FileNotFoundError naming host and path."""
+        expected = self.sha256(remote)
+        size = self.file_size(remote) if expected is not None else None
+        if expected is None or size is None:
+            raise FileNotFoundError(f"[{self.name}] {remote}: no such file to download")
+        return size, expected
+
+    def _receive(self, remote: str, local: Path, size: int, expected: str, progress: Progress) -> int:
+        """Stream `remote` into `<local>.part`, rename it to `local` if it hashes to `expected`.
+
+        Returns the bytes received. Any failure removes the `.part`: a download starts from zero.
+        """
+        part, name = local.with_name(local.name + ".part"), posixpath.basename(remote)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        digest, received = hashlib.sha256(), 0
+        try:
+            with open(part, "wb") as f, contextlib.closing(self._open_source(remote)) as chunks:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    f.write(chunk)
+                    received += len(chunk)
+                    progress(name, received, size)
+            progress(name, received, size)
+            if digest.hexdigest() != expected:
+                raise DownloadVerifyError(f"[{self.name}] download {remote} -> {local}: sha256 mismatch: remote "
+                                          f"{expected}, received {digest.hexdigest()} ({received} of {size} bytes)")
+            os.replace(part, local)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        return received
+
+    def download_dir(self, remote_dir: str, local_dir: str | Path,
+                     progress: Progress | None = None) -> list[DownloadResult]:
+        """Download every file under `remote_dir` into `local_dir`, keeping the relative layout.
+
+        A missing `remote_dir`, or one without files, raises FileNotFoundError: a training run
+        whose results are not there must not look like one that produced nothing.
+        """
+        remote_dir, local_dir = self.expand_path(remote_dir), Path(local_dir)
+        result = self.run(_sh(_LIST_FILES_SCRIPT, remote_dir), check=False, log_output=False, timeout=300)
+        if result.exit_status == MISSING:
+            raise FileNotFoundError(f"[{self.name}] {remote_dir}: no such directory to download")
+        if result.exit_status != 0:
+            raise CommandFailed(self.name, f"list {remote_dir}", ["find", remote_dir], result.exit_status, "",
+                                result.stderr)
+        relative = sorted(posixpath.normpath(p) for p in result.stdout.split("\0") if p)
+        if not relative:
+            raise FileNotFoundError(f"[{self.name}] {remote_dir}: no files to download")
+        return [self.download_file(posixpath.join(remote_dir, rel), local_dir.joinpath(*rel.split("/")), progress)
+                for rel in relative]
+
     def close(self) -> None:
         """Release connections; nothing to do for this machine."""
 
@@ -664,6 +800,14 @@ class LocalExecutor(_ExecutorBase):
 
     def _open_sink(self, path: str, append: bool) -> _Sink:
         return _FileSink(path, append)
+
+    def _open_source(self, path: str) -> Iterator[bytes]:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"[{self.name}] {path}: no such file to download") from None
+        with f:
+            yield from iter(lambda: f.read(1 << 20), b"")
 
     def _execute(self, command: str, stdin: bytes | None, out: _OutputStream, err: _OutputStream,
                  deadline: float | None) -> int | None:
@@ -921,6 +1065,9 @@ class SSHExecutor(_ExecutorBase):
     def _open_sink(self, path: str, append: bool) -> _Sink:
         return _ChannelSink(self, path, append)
 
+    def _open_source(self, path: str) -> Iterator[bytes]:
+        return _channel_source(self, path)
+
     @contextlib.contextmanager
     def forward(self, remote_port: int) -> Iterator[int]:
         """A local port whose connections reach the host's 127.0.0.1:`remote_port` (direct-tcpip)."""
@@ -1037,6 +1184,37 @@ class _ChannelSink:
 
     def abort(self) -> None:
         _close_quietly(self.channel)
+
+
+def _channel_source(executor: SSHExecutor, path: str) -> Iterator[bytes]:
+    """SSHExecutor: the stdout of `cat` on an exec channel, read with blocking recv (never select).
+
+    Reads ask for more than the channel window (2 MiB) so each takes the whole buffer: paramiko
+    drops a partial read from the front of its buffer (`del buf[:n]`), a copy of what is left
+    per read (256 MiB on loopback streamed at ~190 MB/s with 64 KiB reads, ~270 MB/s with
+    4 MiB). Stderr is drained on the way so it can never hold the channel's window.
+    """
+    channel = executor._open_channel()
+    err = _OutputStream(f"{executor.name} stderr", log_lines=False)
+    try:
+        try:
+            channel.exec_command(f"cat {shlex.quote(path)}")
+            while data := channel.recv(DOWNLOAD_READ_BYTES):
+                yield data
+                if channel.recv_stderr_ready():
+                    err.feed(channel.recv_stderr(1 << 16))
+            status = _pump(channel, err, err, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
+        except (OSError, EOFError, paramiko.SSHException) as error:  # a silent host times out: OSError
+            raise ConnectionLost(f"[{executor.name}] download of {path} cut: {error}") from error
+    finally:
+        _close_quietly(channel)
+    err.close()
+    # A cut connection closes the channel without EOF (and paramiko unlinks channels before it
+    # marks the transport inactive, so is_active() can still say True here).
+    if status is None or (status == -1 and not channel.eof_received):
+        raise ConnectionLost(f"[{executor.name}] download of {path}: the channel closed before cat ended")
+    if status != 0:
+        raise CommandFailed(executor.name, f"cat {path}", ["cat", path], status, "", err.text)
 
 
 class _Tunnel:

@@ -26,6 +26,7 @@ from tasks.remote import (
     CommandTimeout,
     ConnectError,
     ConnectionLost,
+    DownloadVerifyError,
     HostKeyError,
     LocalExecutor,
     SSHExecutor,
@@ -71,6 +72,10 @@ def random_file(path, size: int, seed: int = 0):
 
 def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def no_fileno(channel):
+    raise AssertionError("Channel.fileno() creates paramiko's racy pipe")
 
 
 # --------------------------------------------------------------------------- commands
@@ -256,8 +261,6 @@ def test_tunnel_and_commands_never_drop_the_connection(ssh, tmp_path, monkeypatc
     flight through the tunnel (CI saw "Connection reset by peer" mid-benchmark). The executor
     must never touch that pipe, and the connection must survive the load.
     """
-    def no_fileno(channel):
-        raise AssertionError("Channel.fileno() creates paramiko's racy pipe")
     monkeypatch.setattr(paramiko.Channel, "fileno", no_fileno)
     (tmp_path / "page.txt").write_bytes(os.urandom(200_000))
     port = free_port()
@@ -410,6 +413,93 @@ def test_a_mismatch_after_sending_from_zero_fails_with_both_hashes(executor, tmp
     assert sha256(src) in message and "remote " in message and "from zero" in message
     assert len(attempts) >= 4  # two attempts, each with a last chunk and a final call
     assert not part.exists() and not dest.exists()
+
+
+# --------------------------------------------------------------------------- downloads
+
+
+def checkpoint_dir(root):
+    """A training result: nested files, names a shell would misread, bytes of every value."""
+    (root / "sub dir" / "deeper").mkdir(parents=True)
+    (root / "empty").mkdir()
+    random_file(root / "model.safetensors", 3_000_000, seed=5)  # > the 2 MiB channel window
+    (root / "sub dir" / "deeper" / "optimizer $(touch pwned).pt").write_bytes(bytes(range(256)) * 40 + b"\r\n\0")
+    (root / "history.jsonl").write_text('{"step": 1}\n')
+    return root
+
+
+def test_download_dir_round_trip_then_skips(executor, tmp_path, monkeypatch):
+    monkeypatch.setattr(paramiko.Channel, "fileno", no_fileno)
+    src = checkpoint_dir(tmp_path / "remote ckpt")
+    dest = tmp_path / "local" / "ckpt"
+    calls = []
+    results = executor.download_dir(str(src), dest, progress=lambda *call: calls.append(call))
+    names = ["history.jsonl", "model.safetensors", "sub dir/deeper/optimizer $(touch pwned).pt"]
+    assert [(r.remote, r.local, r.skipped) for r in results] == [
+        (f"{src}/{n}", str(dest / n), False) for n in names]
+    for name, result in zip(names, results):
+        assert (dest / name).read_bytes() == (src / name).read_bytes()
+        size = (src / name).stat().st_size
+        assert result.sha256 == sha256(src / name) and result.bytes_received == result.size == size
+    assert ("model.safetensors", 3_000_000, 3_000_000) in calls
+    assert not list(tmp_path.rglob("*.part")) and not list(tmp_path.rglob("pwned"))
+    again = executor.download_dir(str(src), dest)
+    assert [(r.skipped, r.bytes_received) for r in again] == [(True, 0)] * 3
+    assert not list(dest.rglob("*.part"))
+
+
+def test_download_replaces_a_different_local_file(executor, tmp_path):
+    src, dest = random_file(tmp_path / "w.bin", 50_000, seed=6), random_file(tmp_path / "w.local", 50_000, seed=7)
+    result = executor.download_file(str(src), dest)
+    assert not result.skipped and result.bytes_received == 50_000 and dest.read_bytes() == src.read_bytes()
+
+
+def test_a_download_that_fails_verification_leaves_nothing(executor, tmp_path, monkeypatch):
+    src = random_file(tmp_path / "w.bin", 3_000_000, seed=8)
+    monkeypatch.setattr(executor, "sha256", lambda path: "0" * 64)
+    fresh = tmp_path / "fresh" / "w.bin"
+    with pytest.raises(DownloadVerifyError, match=f"remote {'0' * 64}, received {sha256(src)}"):
+        executor.download_file(str(src), fresh)
+    old = random_file(tmp_path / "old.bin", 1_000, seed=9)
+    with pytest.raises(DownloadVerifyError):
+        executor.download_file(str(src), old)
+    assert not fresh.exists() and old.read_bytes() == hashlib.shake_256(b"seed9").digest(1_000)
+    assert not list(tmp_path.rglob("*.part"))
+
+
+def test_downloading_a_missing_path_names_host_and_path(executor, tmp_path):
+    missing, empty = tmp_path / "no such.bin", tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=rf"\[{executor.name}\] {missing}: no such file"):
+        executor.download_file(str(missing), tmp_path / "out.bin")
+    with pytest.raises(FileNotFoundError, match=rf"\[{executor.name}\] {missing}: no such directory"):
+        executor.download_dir(str(missing), tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match=rf"\[{executor.name}\] {empty}: no files"):
+        executor.download_dir(str(empty), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def cut_once_at(ssh, at: int):
+    """A progress callback that shuts the SSH connection's socket the first time `at` bytes arrived."""
+    cuts = []
+
+    def progress(what, done, total):
+        if done >= at and not cuts:
+            cuts.append(done)
+            ssh._client.get_transport().sock.shutdown(socket.SHUT_RDWR)  # a real cut, not a mock
+    return progress, cuts
+
+
+def test_a_cut_download_leaves_nothing_and_then_starts_again(ssh, tmp_path):
+    src, dest = random_file(tmp_path / "big.bin", SIZE), tmp_path / "big.out"
+    progress, cuts = cut_once_at(ssh, 1)
+    with pytest.raises(ConnectionLost):
+        ssh.download_file(str(src), dest, progress=progress, reconnects=0)
+    assert cuts and cuts[0] < SIZE and not dest.exists() and not dest.with_name("big.out.part").exists()
+    progress, cuts = cut_once_at(ssh, 1)
+    result = ssh.download_file(str(src), dest, progress=progress)  # the same executor reconnects by itself
+    assert cuts and result.bytes_received == SIZE and sha256(dest) == sha256(src)
+    assert not dest.with_name("big.out.part").exists()
 
 
 # --------------------------------------------------------------------------- connecting
