@@ -26,6 +26,7 @@ tail (out_dir/torchrun_logs) and its process group is killed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
@@ -995,20 +996,24 @@ def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vo
     # own session: torchrun, its ranks and their loader workers form one process group, killed as one
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
+    recent: collections.deque[str] = collections.deque(maxlen=TORCHRUN_TAIL_LINES)
     try:
         for line in proc.stdout:
             log(line.rstrip())
+            recent.append(line.rstrip())
             seen = _relay_metrics(history, seen, on_metrics)
         proc.wait()
     finally:
         _kill_process_group(proc)
     _relay_metrics(history, seen, on_metrics)
     if proc.returncode != 0:
-        raise RuntimeError(f"torchrun training exited with {proc.returncode}: {describe_rank_failures(log_dir)}")
+        raise RuntimeError(f"torchrun training exited with {proc.returncode}: "
+                           f"{describe_rank_failures(log_dir, recent)}")
     return json.loads((out_dir / "summary.json").read_text())
 
 
 NODE_STATUS = "node_status.json"
+TORCHRUN_TAIL_LINES = 200  # of torchrun's output kept for its "Root Cause" block
 
 
 def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path, aux_layer_ids: list[int],
@@ -1028,9 +1033,14 @@ def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path,
     env = torchrun_env(cfg.devices, cfg.num_workers)
     print(f"node {node.node_rank}/{node.nnodes} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank): "
           + " ".join(cmd), flush=True)
-    returncode = subprocess.call(cmd, env=env)
+    recent: collections.deque[str] = collections.deque(maxlen=TORCHRUN_TAIL_LINES)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        recent.append(line.rstrip())
+    returncode = proc.wait()
     status = {"node_rank": node.node_rank, "returncode": returncode, "finished_at": time.time(),
-              "failures": describe_rank_failures(out_dir / "torchrun_logs") if returncode else ""}
+              "failures": describe_rank_failures(out_dir / "torchrun_logs", recent) if returncode else ""}
     tmp = out_dir / (NODE_STATUS + ".tmp")
     tmp.write_text(json.dumps(status))
     tmp.replace(out_dir / NODE_STATUS)
@@ -1056,27 +1066,54 @@ def _tail(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 
 
-def describe_rank_failures(log_dir: Path) -> str:
+def describe_rank_failures(log_dir: Path, torchrun_output: Sequence[str] = ()) -> str:
     """Which ranks failed and how, from torchrun's per-rank files of the last attempt.
 
     A rank that raised leaves `<rank>/error.json` (eagle3.train.main is `@record`ed); a rank
-    killed by a signal or by torchrun after another rank failed leaves none. Ranks are listed
-    by when they failed: the first is the cause, the others usually only lost their peer
-    (gloo: "Connection closed by peer"). Without any error file, every rank's stderr tail is shown.
+    killed by a signal (SIGKILL, the OOM killer) leaves none, and the others then raise only
+    because they lost their peer (gloo: "Connection closed by peer"). torchrun's own "Root Cause"
+    block in `torchrun_output` names the first rank that failed: a silent one is reported first,
+    with its exit code. Otherwise raising ranks are listed by when they failed. Without any error
+    file, every rank's stderr tail is shown.
     """
     attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime_ns)
     if not attempts:
         return f"no per-rank logs under {log_dir}; see the output above"
     ranks = sorted((p for p in attempts[-1].iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    failed = sorted((r for r in ranks if (r / "error.json").is_file()),
+    raised = sorted((r for r in ranks if (r / "error.json").is_file()),
                     key=lambda r: (r / "error.json").stat().st_mtime_ns)
-    parts = []
-    for n, rank_dir in enumerate(failed or ranks):
-        what = _error_message(rank_dir / "error.json") if failed else "no error file (killed by a signal?)"
-        when = ("first" if n == 0 else "after it") if len(failed) > 1 else ""
-        parts.append(f"rank {rank_dir.name} failed{' ' + when if when else ''}: {what}\n"
-                     f"--- last lines of {rank_dir / 'stderr.log'} ---\n{_tail(rank_dir / 'stderr.log')}")
+    cause = root_cause(torchrun_output)
+    parts = [_rank_report(r, f"died first: {cause['how']}") for r in ranks
+             if cause and r.name == cause["rank"] and r not in raised]
+    for n, rank_dir in enumerate(raised):
+        when = "" if len(raised) == 1 and not parts else " after it" if parts or n else " first"
+        parts.append(_rank_report(rank_dir, f"failed{when}: {_error_message(rank_dir / 'error.json')}"))
+    if not parts:
+        parts = [_rank_report(r, "failed: no error file (killed by a signal?)") for r in ranks]
     return "\n".join(parts)
+
+
+def root_cause(torchrun_output: Sequence[str]) -> dict[str, str] | None:
+    """rank and how it ended, from the "Root Cause (first observed failure)" block torchrun prints."""
+    lines = list(torchrun_output)
+    starts = [i for i, line in enumerate(lines) if "Root Cause (first observed failure)" in line]
+    if not starts:
+        return None
+    fields = {}
+    for line in lines[starts[-1] + 1:starts[-1] + 12]:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("rank", "exitcode", "traceback"):
+            fields[key.strip()] = value.strip()
+    if "rank" not in fields:
+        return None
+    how = f"exit code {fields.get('exitcode', '?').split()[0]}"
+    if fields.get("traceback", "").startswith("Signal"):
+        how += f" ({fields['traceback']})"
+    return {"rank": fields["rank"].split()[0], "how": how}
+
+
+def _rank_report(rank_dir: Path, what: str) -> str:
+    return f"rank {rank_dir.name} {what}\n--- last lines of {rank_dir / 'stderr.log'} ---\n{_tail(rank_dir / 'stderr.log')}"
 
 
 def _error_message(error_file: Path) -> str:

@@ -104,6 +104,7 @@ class StageContext:
     mlflow_run_id: str
     upstream: dict[str, dict[str, Any]] = field(default_factory=dict)
     attempt: int = 1
+    upstream_digests: dict[str, str] = field(default_factory=dict)  # each upstream's output digest
 
     @property
     def mlflow(self) -> RunLogger:
@@ -337,7 +338,7 @@ class Pipeline:
                                                     "eagleops.attempt": attempt["attempt"]})
         stage_dir = Path(attempt["dir"])
         ctx = StageContext(name, stage_dir, self.run.path, child.tracking_uri, child.run_id, dict(self.results),
-                           attempt["attempt"])
+                           attempt["attempt"], dict(self.digests))
         self.run.update_attempt(name, attempt, status="running", started=now_iso(), mlflow_run_id=child.run_id,
                                 error=None)
         self.current_stage = name

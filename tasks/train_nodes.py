@@ -103,7 +103,8 @@ def _open_node(cfg: ExperimentConfig, ctx: StageContext, rank: int, name: str) -
         return Node(rank, name, str(ctx.stage_dir / f"node-{rank}"), executor.python, "", executor)
     host = cfg.host(name)
     run, train_root = ctx.run_dir, posixpath.join(executor.expand_path(host.workdir), "train")
-    root = posixpath.join(train_root, run.parent.name, run.name, ctx.stage_dir.name, f"node-{rank}")
+    root = posixpath.join(train_root, run.parent.name, run.name, ctx.stage_dir.relative_to(run).as_posix(),
+                          f"node-{rank}")
     return Node(rank, name, root, host.python, posixpath.join(train_root, "inputs"), executor)
 
 
@@ -144,7 +145,7 @@ def _stage_inputs(cfg: ExperimentConfig, ctx: StageContext, node: Node, dataset_
     if isinstance(node.executor, LocalExecutor):
         data, target = str(dataset_dir), str(target_dir)
     else:
-        shared = posixpath.join(node.inputs, ctx.upstream["generate_data"]["output_digest"][:16])
+        shared = posixpath.join(node.inputs, ctx.upstream_digests["generate_data"][:16])
         data, target = posixpath.join(shared, "dataset"), posixpath.join(shared, "target")
         logger().info("%s: uploading the dataset and target to %s", node.label(), shared)
         node.executor.upload_dir(dataset_dir, data)
