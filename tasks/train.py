@@ -43,7 +43,8 @@ def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_d
            aux_layer_ids: list[int], online, progress) -> dict:
     if cfg.train.nodes:
         return train_on_nodes(cfg, ctx, dataset_dir, target_dir, aux_layer_ids,
-                              on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step))
+                              on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
+                              progress=progress)
     return run_training(
         dataset_dir, target_dir, cfg.train, ctx.stage_dir / "draft",
         aux_layer_ids=aux_layer_ids, draft_vocab_size=cfg.data.draft_vocab_size, online_features=online,

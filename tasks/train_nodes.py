@@ -9,7 +9,7 @@ holds the checkpoints, history.jsonl and summary.json. In order:
    train config per node;
 3. resume: node 0's checkpoints are copied here, then to every node (ranks check they resumed
    from the same step); launchers left by an earlier, killed attempt are stopped first;
-4. launch `python -m eagle3.train --node-rank i ...` detached on each node (its own process
+4. launch `python -m eagle3.torchrun --node-rank i ...` detached on each node (its own process
    group: torchrun, ranks, loader workers), recorded in `<stage>/nodes.json`;
 5. until every launcher exits: relay each node's log into the run log, rank 0's new history rows
    into MLflow, watch each launcher; the first failure stops every node and raises naming the
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3.train import NODE_STATUS
+from eagle3.data import HiddenStateDataset
+from eagle3.torchrun import NODE_STATUS
+from eagle3.train import DataPlan
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
@@ -38,6 +40,7 @@ DEFAULT_MASTER_PORT = 29500
 POLL_S = 2.0
 NODES_FILE = "nodes.json"  # launchers of the current attempt, for stopping leftovers
 MetricsFn = Callable[[int, dict[str, float]], None]
+ProgressFn = Callable[[str, int, int], None]
 
 
 class NodeFailed(RuntimeError):
@@ -68,8 +71,11 @@ class Node:
 
 
 def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_dir: Path,
-                   aux_layer_ids: list[int], on_metrics: MetricsFn) -> dict[str, Any]:
-    """Train on cfg.train.nodes; the summary train_draft returns, with paths on this machine."""
+                   aux_layer_ids: list[int], on_metrics: MetricsFn, progress: ProgressFn) -> dict[str, Any]:
+    """Train on cfg.train.nodes; the summary train_draft returns, with paths on this machine.
+
+    `progress(what, done, total)` gets rank 0's optimizer steps as its history rows arrive.
+    """
     local_out = ctx.stage_dir / "draft"
     local_out.mkdir(parents=True, exist_ok=True)
     nodes = [_open_node(cfg, ctx, rank, name) for rank, name in enumerate(cfg.train.nodes)]
@@ -84,7 +90,7 @@ def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, 
             for node, (data, target, config) in zip(nodes, inputs):
                 _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
                 _record(ctx, nodes)
-            _watch(nodes, on_metrics)
+            _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir))
         finally:
             _stop_all(nodes)
             _record(ctx, nodes)
@@ -173,23 +179,26 @@ def _upload_path(executor: Executor, local: Path, remote: str) -> None:
 
 
 def _sync_checkpoints(nodes: list[Node], local_out: Path) -> None:
-    """Node 0's checkpoints (the newest there are) here, then this copy to every node."""
+    """Node 0's latest checkpoint (the newest there is) here, then this copy to every node."""
     node0, local_ckpts = nodes[0], local_out / "checkpoints"
-    remote0 = posixpath.join(node0.out_dir, "checkpoints")
-    if node0.executor.path_exists(remote0):
-        node0.executor.download_dir(remote0, local_ckpts)
-        _download_if_present(node0, "history.jsonl", local_out)
-    if not local_ckpts.is_dir() or not any(local_ckpts.iterdir()):
+    _download_latest_checkpoint(node0, local_ckpts)
+    if not (local_ckpts / "latest").is_file():
         return
     for node in nodes:
-        logger().info("%s: resuming from the checkpoints of node 0", node.label())
+        latest = (local_ckpts / "latest").read_text().strip()
+        logger().info("%s: resuming from node 0's checkpoint %s", node.label(), latest)
         node.executor.upload_dir(local_ckpts, posixpath.join(node.out_dir, "checkpoints"))
 
 
-def _download_if_present(node: Node, name: str, local_dir: Path) -> None:
-    remote = posixpath.join(node.out_dir, name)
-    if node.executor.path_exists(remote):
-        node.executor.download_file(remote, local_dir / name)
+def _download_latest_checkpoint(node: Node, local_ckpts: Path) -> None:
+    """The `latest` pointer and the checkpoint it names (older ones stay on the node)."""
+    remote = posixpath.join(node.out_dir, "checkpoints")
+    try:
+        name = node.executor.read_file(posixpath.join(remote, "latest")).strip()
+    except (FileNotFoundError, CommandFailed):
+        return
+    node.executor.download_dir(posixpath.join(remote, name), local_ckpts / name)
+    node.executor.download_file(posixpath.join(remote, "latest"), local_ckpts / "latest")
 
 
 # --------------------------------------------------------------------------- launch and watch
@@ -200,7 +209,7 @@ def _launch(node: Node, nnodes: int, master: tuple[str, int], data: str, target:
     node.executor.run(["rm", "-f", posixpath.join(node.out_dir, NODE_STATUS), node.log_file], log_output=False,
                       timeout=60)
     node.executor.makedirs(node.out_dir)
-    argv = [node.python, "-m", "eagle3.train", "--data-dir", data, "--target-dir", target, "--out-dir", node.out_dir,
+    argv = [node.python, "-m", "eagle3.torchrun", "--data-dir", data, "--target-dir", target, "--out-dir", node.out_dir,
             "--config", config, "--aux-layer-ids", ",".join(map(str, aux_layer_ids)),
             "--draft-vocab-size", str(draft_vocab_size), "--node-rank", str(node.rank), "--nnodes", str(nnodes),
             "--master-addr", master[0], "--master-port", str(master[1])]
@@ -209,9 +218,21 @@ def _launch(node: Node, nnodes: int, master: tuple[str, int], data: str, target:
     node.log_offset = 0
 
 
-def _watch(nodes: list[Node], on_metrics: MetricsFn) -> None:
+def total_steps(cfg: ExperimentConfig, dataset_dir: Path) -> int:
+    """Optimizer steps the ranks will take, as the trainer plans them (for progress and ETA)."""
+    world = cfg.train.devices * len(cfg.train.nodes)
+    plan = DataPlan(len(HiddenStateDataset(dataset_dir, "train")), cfg.train.batch_size, world, cfg.train.grad_accum,
+                    cfg.train.seed)
+    return min(cfg.train.max_steps or 1 << 62, plan.steps_per_epoch * cfg.train.epochs)
+
+
+def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total: int) -> None:
     """Relay logs and metrics until every launcher exited; raise NodeFailed at the first failure."""
-    metrics = _MetricsRelay(nodes[0], on_metrics)
+    def relay(step: int, row: dict[str, float]) -> None:
+        on_metrics(step, row)
+        progress("optimizer steps", step, total)
+
+    metrics = _MetricsRelay(nodes[0], relay)
     running = {node.rank for node in nodes}
     while running:
         time.sleep(POLL_S)
@@ -325,12 +346,24 @@ def _stop_leftovers(ctx: StageContext, nodes: list[Node]) -> None:
             node.executor.kill_group(entry["pid"])
 
 
+OUTPUT_FILES = ("summary.json", "history.jsonl", "training_curves.png", "train_config.json")
+
+
 def _bring_back(node0: Node, local_out: Path) -> dict[str, Any]:
-    """Node 0's outputs into `local_out`; summary paths rewritten to this machine's copies."""
+    """Node 0's outputs into `local_out` -- the files above and the final checkpoint, not every
+    rank's torchrun logs -- with summary paths rewritten to this machine's copies."""
     if node0.out_dir != str(local_out):
-        node0.executor.download_dir(node0.out_dir, local_out)
+        _download_latest_checkpoint(node0, local_out / "checkpoints")
+        for name in OUTPUT_FILES:
+            _download_if_present(node0, name, local_out)
     summary = json.loads((local_out / "summary.json").read_text())
     return {k: _localize(v, node0.out_dir, local_out) for k, v in summary.items()}
+
+
+def _download_if_present(node: Node, name: str, local_dir: Path) -> None:
+    remote = posixpath.join(node.out_dir, name)
+    if node.executor.path_exists(remote):
+        node.executor.download_file(remote, local_dir / name)
 
 
 def _localize(value: Any, remote_root: str, local_root: Path) -> Any:

@@ -78,7 +78,8 @@ def losses(stage: dict) -> list[float]:
 
 
 def processes_under(root: Path) -> dict[int, list[str]]:
-    """pid -> argv of every process whose command line mentions `root` and eagle3.train (from /proc: ps truncates)."""
+    """pid -> argv of every launcher, torchrun and rank whose command line mentions `root` (from /proc:
+    ps truncates)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -87,7 +88,7 @@ def processes_under(root: Path) -> dict[int, list[str]]:
             argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
-        if any(str(root) in a for a in argv) and "eagle3.train" in argv:
+        if any(str(root) in a for a in argv) and ("eagle3.train" in argv or "eagle3.torchrun" in argv):
             found[int(entry.name)] = argv
     return found
 
@@ -126,7 +127,7 @@ def test_unknown_node_is_a_config_error(workdir, sshd):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_killed_rank_fails_the_stage_by_name_and_the_next_run_resumes(data_run, workdir, sshd, strategy):
-    config = write_config(workdir, sshd, f"kill-{strategy}", nodes="[node-a]", devices=2, batch=2, steps=200,
+    config = write_config(workdir, sshd, f"kill-{strategy}", nodes="[node-a]", devices=2, batch=2, steps=100,
                           every=5, strategy=strategy)
     remote = workdir / "remote" / "train"
     killed = _kill_a_rank_after_the_first_checkpoint(remote)
@@ -139,10 +140,10 @@ def test_a_killed_rank_fails_the_stage_by_name_and_the_next_run_resumes(data_run
     assert "rank 1 died first: exit code -9 (Signal 9 (SIGKILL)" in message and "last lines of" in message, message
     assert launcher_processes(remote) == []
     stage = train(config, data_run)
-    assert stage["status"] == "completed" and stage["summary"]["steps"] == 200 and stage["summary"]["finished"]
+    assert stage["status"] == "completed" and stage["summary"]["steps"] == 100 and stage["summary"]["finished"]
     history = Path(stage["summary"]["checkpoint"]).parents[1] / "history.jsonl"
     steps = [json.loads(line)["step"] for line in history.read_text().splitlines() if "train/loss" in line]
-    assert steps == list(range(1, 201))  # resumed at a checkpoint >= 5: no step lost or repeated
+    assert steps == list(range(1, 101))  # resumed at a checkpoint >= 5: no step lost or repeated
     assert victim["step"] >= 5
     assert launcher_processes(remote) == []
 
@@ -190,9 +191,9 @@ def _kill_a_rank_after_the_first_checkpoint(remote: Path) -> _Killer:
 
 
 def _rank_pid(remote: Path, rank: int) -> int | None:
-    """A torchrun worker (`-m eagle3.train` without --node-rank) whose RANK is `rank`."""
+    """A torchrun worker (`-m eagle3.train`, not the launcher or torchrun) whose RANK is `rank`."""
     for pid, argv in processes_under(remote).items():
-        if "--node-rank" in argv or "torch.distributed.run" in argv:
+        if "eagle3.train" not in argv or "torch.distributed.run" in argv:
             continue
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -201,3 +202,23 @@ def _rank_pid(remote: Path, rank: int) -> int | None:
         if f"RANK={rank}".encode() in environ:
             return pid
     return None
+
+
+def test_ctrl_c_stops_every_node_and_says_how_to_resume(data_run, workdir, sshd):
+    """SIGINT to `eagleops run`'s process group, as a terminal sends it: the remote launchers are in
+    no local process group, so the stage itself must stop them before the CLI exits."""
+    from tests.flows.test_interrupts import start_cli, wait_for_line
+
+    config = write_config(workdir, sshd, "ctrl-c", nodes="[node-a]", devices=1, batch=4, steps=100000, every=1000)
+    log = workdir / "ctrl-c.log"
+    proc = start_cli(["run", str(config), "--run-dir", str(data_run), "--stages", "train_draft"], log)
+    wait_for_line(log, r"\[node 0 \(node-a\)\] .*step 20/", proc)
+    remote = workdir / "remote" / "train"
+    assert launcher_processes(remote)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=90) == 130
+    output = log.read_text()
+    assert output.rstrip().splitlines()[-1].startswith("interrupted (Ctrl-C) during train_draft; resume with:")
+    assert launcher_processes(remote) == [], output[-3000:]
+    manifest = json.loads((data_run / "manifest.json").read_text())
+    assert manifest["stages"]["train_draft"]["status"] == "interrupted"
