@@ -60,7 +60,10 @@ LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
-LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp")}  # mode -> (devices, strategy)
+# mode -> (devices, strategy); node-* go through `python -m eagle3.torchrun`, the launcher train.nodes
+# starts on every node (one node here, static rendezvous on 127.0.0.1)
+LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp"), "node": (1, "ddp"),
+              "node-ddp": (2, "ddp")}
 TARGET_LAYERS = 32
 
 
@@ -345,7 +348,11 @@ def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path
     would) so no mode inherits another's GPU memory; devices=2 goes through train_draft's torchrun relaunch."""
     cfg = loop_config(mode, args)
     t0 = time.perf_counter()
-    if cfg.devices == 1:
+    if mode.startswith("node"):
+        error = _run_through_node_launcher(cfg, shape, target_dir, data_dir, out_dir)
+        if error:
+            return {"mode": mode, "error": error}
+    elif cfg.devices == 1:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "cfg.json").write_text(cfg.model_dump_json())
         cmd = [sys.executable, "-m", "eagle3.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
@@ -372,6 +379,29 @@ def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path
             "peak_memory_gib": rows[-1].get("train/peak_memory_gib"),
             "first_loss": rows[0]["train/loss"], "last_loss": rows[-1]["train/loss"],
             "wall_s": time.perf_counter() - t0}
+
+
+def _run_through_node_launcher(cfg: TrainConfig, shape: dict, target_dir: Path, data_dir: Path,
+                               out_dir: Path) -> str | None:
+    """One node of train.nodes on this machine; the error text, or None."""
+    import socket
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "cfg.json").write_text(cfg.model_dump_json())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "eagle3.torchrun", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
+           "--out-dir", str(out_dir), "--config", str(out_dir / "cfg.json"),
+           "--aux-layer-ids", ",".join(map(str, shape["aux_layer_ids"])),
+           "--draft-vocab-size", str(shape["draft_vocab_size"]), "--node-rank", "0", "--nnodes", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        status = out_dir / "node_status.json"
+        return (json.loads(status.read_text())["failures"] if status.is_file() else "") + proc.stdout[-1500:]
+    return None
 
 
 def run_loop(args) -> int:
