@@ -1244,14 +1244,22 @@ class _Tunnel:
                 continue
             except OSError:
                 return  # listener closed by stop()
-            try:
-                channel = self.executor._transport().open_channel(
-                    "direct-tcpip", ("127.0.0.1", self.remote_port), peer, timeout=self.executor.host.connect_timeout_s)
-            except (OSError, EOFError, paramiko.SSHException, RemoteError) as err:
-                logger().warning("[%s] tunnel to port %d refused: %s", self.executor.name, self.remote_port, err)
+            channel = self._open(peer)
+            if channel is None:
                 conn.close()
                 continue
             self._spawn(self._pipe, conn, channel)
+
+    def _open(self, peer) -> paramiko.Channel | None:
+        """A direct-tcpip channel to the port; a second try after a dropped connection (it reconnects)."""
+        for attempt in (1, 2):
+            try:
+                return self.executor._transport().open_channel(
+                    "direct-tcpip", ("127.0.0.1", self.remote_port), peer, timeout=self.executor.host.connect_timeout_s)
+            except (OSError, EOFError, paramiko.SSHException, RemoteError) as err:
+                logger().warning("[%s] tunnel to port %d refused%s: %r", self.executor.name, self.remote_port,
+                                 "; trying again" if attempt == 1 else "", err)
+        return None
 
     def _pipe(self, conn: socket.socket, channel: paramiko.Channel) -> None:
         """One thread per direction with blocking reads (never select() on the channel, see _pump).
