@@ -981,11 +981,14 @@ def _kill_process_group(proc: subprocess.Popen) -> None:
 
 
 def _relay_metrics(history: Path, seen: set, on_metrics: MetricsFn | None) -> set:
-    """Pass rank 0's new history rows to on_metrics; a row is (step, metric names), so rows a
-    resume rewrites are not sent twice."""
-    if not history.exists():
-        return seen
-    for line in history.read_text().splitlines():
+    """Pass rank 0's new history rows to on_metrics (see relay_history_rows)."""
+    return relay_history_rows(history.read_text(), seen, on_metrics) if history.exists() else seen
+
+
+def relay_history_rows(text: str, seen: set, on_metrics: MetricsFn | None) -> set:
+    """Pass the rows of history.jsonl `text` not in `seen` to on_metrics; a row is keyed by
+    (step, metric names), so rows a resume rewrites are not sent twice."""
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a line being written right now; read again next time

@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
 
 import paramiko
 
@@ -67,6 +67,7 @@ PROGRESS_EVERY_S = 5.0
 DOWNLOAD_READ_BYTES = 1 << 22
 # A blocked send or a silent peer for this long means the connection is gone.
 CHANNEL_IO_TIMEOUT_S = 120.0
+T = TypeVar("T")
 TUNNEL_POLL_S = 0.5  # how often a tunnel's blocked reads look at stop()
 SECRET_ENV_KEY = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|PASSPHRASE|CREDENTIAL", re.IGNORECASE)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -596,13 +597,18 @@ class _ExecutorBase(abc.ABC):
             raise FileNotFoundError(f"upload source {local} is not a file")
         remote = self.expand_path(remote)
         progress = progress or ByteProgress(f"[{self.name}] upload")
+        return self._reconnecting(lambda: self._upload_once(local, remote, progress), reconnects,
+                                  f"upload of {local}", "resume")
+
+    def _reconnecting(self, transfer: Callable[[], T], reconnects: int, what: str, then: str) -> T:
+        """`transfer()`, again after a dropped connection (reconnected first), at most `reconnects` times."""
         for attempt in range(reconnects + 1):
             try:
-                return self._upload_once(local, remote, progress)
+                return transfer()
             except ConnectionLost as err:
                 if attempt == reconnects:
                     raise
-                logger().warning("[%s] upload of %s interrupted (%s); reconnecting to resume", self.name, local, err)
+                logger().warning("[%s] %s interrupted (%s); reconnecting to %s", self.name, what, err, then)
                 self._recover()
         raise AssertionError("unreachable")
 
@@ -699,16 +705,8 @@ class _ExecutorBase(abc.ABC):
         """
         remote, local = self.expand_path(remote), Path(local)
         progress = progress or ByteProgress(f"[{self.name}] download")
-        for attempt in range(reconnects + 1):
-            try:
-                return self._download_once(remote, local, progress)
-            except ConnectionLost as err:
-                if attempt == reconnects:
-                    raise
-                logger().warning("[%s] download of %s interrupted (%s); reconnecting to start again", self.name,
-                                 remote, err)
-                self._recover()
-        raise AssertionError("unreachable")
+        return self._reconnecting(lambda: self._download_once(remote, local, progress), reconnects,
+                                  f"download of {remote}", "start again")
 
     def _download_once(self, remote: str, local: Path, progress: Progress) -> DownloadResult:
         started = time.monotonic()

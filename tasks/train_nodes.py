@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from eagle3.data import HiddenStateDataset
 from eagle3.torchrun import NODE_STATUS
-from eagle3.train import DataPlan
+from eagle3.train import DataPlan, relay_history_rows
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
@@ -286,8 +286,7 @@ def _log_tail(node: Node) -> str:
 
 
 class _MetricsRelay:
-    """Rank 0's new history.jsonl rows to MLflow, once each; a resume rewrites the file, so rows
-    are keyed by (step, metric names), as eagle3.train relays them on one machine."""
+    """Rank 0's new history.jsonl rows on node 0 to `on_metrics`, once each."""
 
     def __init__(self, node0: Node, on_metrics: MetricsFn):
         self.node0, self.on_metrics = node0, on_metrics
@@ -299,15 +298,7 @@ class _MetricsRelay:
             text = self.node0.executor.read_file(self.path)
         except (FileNotFoundError, CommandFailed):
             return
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # being written; read again next time
-                continue
-            key = (row["step"], tuple(sorted(row)))
-            if key not in self.seen:
-                self.seen.add(key)
-                self.on_metrics(int(row.pop("step")), row)
+        self.seen = relay_history_rows(text, self.seen, self.on_metrics)
 
 
 # --------------------------------------------------------------------------- stop, record, bring back
@@ -361,9 +352,8 @@ def _bring_back(node0: Node, local_out: Path) -> dict[str, Any]:
 
 
 def _download_if_present(node: Node, name: str, local_dir: Path) -> None:
-    remote = posixpath.join(node.out_dir, name)
-    if node.executor.path_exists(remote):
-        node.executor.download_file(remote, local_dir / name)
+    with contextlib.suppress(FileNotFoundError):  # download_file's own answer for a missing file
+        node.executor.download_file(posixpath.join(node.out_dir, name), local_dir / name)
 
 
 def _localize(value: Any, remote_root: str, local_root: Path) -> Any:
