@@ -108,7 +108,7 @@ class TargetConfig(StrictModel):
         max_length=8,
         description="Aux hidden-state layer ids as written to the draft's eagle_config, in SGLang's convention "
         "for the target's architecture (Llama family: id k = output of decoder layer k; DeepSeek/Kimi/GLM-Lite "
-        "and gpt-oss have their own rules, see eagle3.capture); None = SGLang's default for the architecture.",
+        "and gpt-oss have their own rules, see eagle3.data.capture); None = SGLang's default for the architecture.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Target dtype: auto = bfloat16 on CUDA, float32 on CPU."

@@ -28,9 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from eagle3.capture import max_capture_index, sglang_layers_to_capture
 from eagle3.config import ExportConfig
-from eagle3.model import DraftModelConfig, Eagle3DraftModel, target_rope_settings
+from eagle3.data.capture import max_capture_index, sglang_layers_to_capture
+from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, target_rope_settings
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
@@ -542,7 +542,7 @@ def export_checkpoint(checkpoint_path: Path, target_dir: Path, cfg: ExportConfig
     Returns {"formats": {name: dir}, "validation": {name: [problem dicts]}, "warnings": n};
     raises ValueError when an export has errors (SGLang or vLLM would mis-load it).
     """
-    from eagle3.train import find_latest_checkpoint, load_draft_checkpoint
+    from eagle3.training.checkpoints import find_latest_checkpoint, load_draft_checkpoint
 
     out_dir, checkpoint_path = Path(out_dir), Path(checkpoint_path)
     if (checkpoint_path / "latest").exists():  # a run's checkpoints/ directory: take its latest

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install real SGLang 0.5.23 on a CPU-only machine, enough to import it and run its own
 # argument parsing and resolution (`prepare_server_args` + `resolve_once()`, used by
-# eagle3/sglang_dryrun.py) and its benchmark client (`python -m sglang.bench_serving`).
+# eagle3/serving/sglang_dryrun.py) and its benchmark client (`python -m sglang.bench_serving`).
 #
 # Usage: infra/install-sglang-cpu.sh VENV_DIR        (env: PYTHON=python3.11, default python3)
 #

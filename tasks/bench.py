@@ -1,7 +1,7 @@
 """run_benchmark: baseline vs each speculative setting on the same host and prompts, and the verdict.
 
 The seed's manual investigation (2 warm-ups, 5 timed runs, grepping "accept len", /server_info)
-as one stage. Per setting: W warm-up then N timed runs through `eagle3.sglang_client` (tok/s,
+as one stage. Per setting: W warm-up then N timed runs through `eagle3.serving.sglang_client` (tok/s,
 TTFT, ITL, accept length per request from meta_info), the server's own figures (/server_info,
 /metrics, its decode log lines) compared with the client's, and the draft's offline figures
 beside them (the simulated accept length from training, truncated to the setting's depth, and
@@ -20,19 +20,35 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.sglang_client import (
-    BenchResult, SGLangClient, builtin_prompts, compare_client_server, heldout_overlap, load_prompts_jsonl,
-    render_prompts, run_benchmark as run_rounds, summarize_decode_log,
+from eagle3.serving.sglang_client import (
+    BenchResult,
+    SGLangClient,
+    builtin_prompts,
+    compare_client_server,
+    heldout_overlap,
+    load_prompts_jsonl,
+    render_prompts,
+    summarize_decode_log,
+)
+from eagle3.serving.sglang_client import (
+    run_benchmark as run_rounds,
 )
 from tasks.config import ExperimentConfig, SpeculativeConfig
 from tasks.deploy import (
-    Placement, ServerHandle, executor_of, launch, live_handles, log_tail, preflight, report_findings, setting_label,
+    Placement,
+    ServerHandle,
+    executor_of,
+    launch,
+    live_handles,
+    log_tail,
+    preflight,
+    report_findings,
+    setting_label,
     stop,
 )
 from tasks.diagnose import diagnose, expected_accept_length
 from tasks.pipeline import StageContext, logger
 from tasks.report_bench import log_bench_report
-
 
 # ------------------------------------------------------------------ prompts
 
@@ -202,10 +218,10 @@ def offline_figures(ctx: StageContext, rows: list[dict], prompt_ids, target_dir:
 
 def reference_accept_length(target_dir: Path, draft_dir: Path, prompt_ids: list[list[int]], effective: dict,
                             max_new_tokens: int) -> float:
-    """Accept length of eagle3.decoding (SGLang's loop, in-process) on the same prompts, greedy."""
-    from eagle3.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel
-    from eagle3.serve import load_eagle3_drafter
-    from eagle3.tiny_target import load_target
+    """Accept length of eagle3.serving.decoding (SGLang's loop, in-process) on the same prompts, greedy."""
+    from eagle3.data.target import load_target
+    from eagle3.serving.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel
+    from eagle3.serving.settings import load_eagle3_drafter
 
     model, _ = load_target(target_dir, "float32", "cpu")
     drafter = load_eagle3_drafter(draft_dir, model)
@@ -276,7 +292,7 @@ def _template_sha(target_dir: Path | None) -> str | None:
         return None
     from transformers import AutoTokenizer
 
-    from eagle3.chat import chat_template_sha256
+    from eagle3.data.chat import chat_template_sha256
 
     return chat_template_sha256(AutoTokenizer.from_pretrained(target_dir))
 

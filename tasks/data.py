@@ -1,6 +1,6 @@
 """generate_data: target -> regenerated answers -> loss-masked samples -> draft vocab -> hidden states.
 
-A thin wrapper over `eagle3.data.generate_dataset`. The tiny target is built (or reused from
+A thin wrapper over `eagle3.data.generate.generate_dataset`. The tiny target is built (or reused from
 the content-addressed cache under `<runs_root>/cache/targets`) here, so the whole CPU default
 needs nothing from a hub. Everything the data depends on is logged to the stage's MLflow
 run: the aux layer ids in SGLang's convention *and* as HF indices, the chat-template hash,
@@ -24,8 +24,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.data import generate_dataset
-from eagle3.tiny_target import build_tiny_target
+from eagle3.data.generate import generate_dataset
+from eagle3.data.tiny_target import build_tiny_target
 from tasks.config import ExperimentConfig, HostConfig
 from tasks.deploy import Placement, ServerHandle, launch, stop
 from tasks.pipeline import StageContext, logger

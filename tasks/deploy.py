@@ -36,7 +36,13 @@ from eagle3.environment import Facts, Needs, evaluate, overall_status
 from eagle3.export import TRAINING_RECORD, Problem, check_serving_wiring, read_target_config
 from tasks.config import ExperimentConfig, HostConfig, SpeculativeConfig
 from tasks.launch import (
-    SERVER_MODULES, Finding, effective_settings, launch_args, predict, settings_findings, target_architecture,
+    SERVER_MODULES,
+    Finding,
+    effective_settings,
+    launch_args,
+    predict,
+    settings_findings,
+    target_architecture,
 )
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, connect
@@ -44,7 +50,7 @@ from tasks.rundir import write_json_atomic
 
 SERVERS_FILE = "servers.json"
 LOG_TAIL_LINES = 50
-DRY_RUN_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "sglang_dryrun.py"
+DRY_RUN_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "serving" / "sglang_dryrun.py"
 ENVIRONMENT_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "environment.py"
 
 
@@ -213,7 +219,7 @@ def _upload(executor: Executor, local: Path, remote: str) -> None:
 
 
 def sglang_dry_run(executor: Executor, args: list[str]) -> dict | None:
-    """SGLang's own argument resolution on the host (eagle3/sglang_dryrun.py piped to its Python)."""
+    """SGLang's own argument resolution on the host (eagle3/serving/sglang_dryrun.py piped to its Python)."""
     if not DRY_RUN_SCRIPT.is_file():
         return None
     result = executor.run([executor.python, "-", "--", *args], stdin=DRY_RUN_SCRIPT.read_bytes(), check=False,

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eagle3.capture import sglang_layers_to_capture
+from eagle3.data.capture import sglang_layers_to_capture
 from eagle3.export import TRAINING_RECORD, describe_hf_indices
 from tasks.config import ExperimentConfig
 

@@ -2,7 +2,7 @@
 
 Owns the argv for `python -m sglang.launch_server` (deploy.server: sglang) and for the reference
 server `python -m eagle3.serve` (deploy.server: reference; same flags), and the comparison of
-the settings the config asks for with SGLang's effective ones (`eagle3.sglang_args`). Used by
+the settings the config asks for with SGLang's effective ones (`eagle3.serving.sglang_args`). Used by
 `eagleops validate` and by the deploy preflight. Risk: the seed's failure — SGLang silently
 turned `--speculative-num-draft-tokens 16` into 2 because topk 1 forces num_steps + 1 — so any
 asked value that SGLang would change is an error unless the config opts into adjustments.
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.sglang_args import SpecResolution, resolve_speculative_args
+from eagle3.serving.sglang_args import SpecResolution, resolve_speculative_args
 from tasks.config import ExperimentConfig, SpeculativeConfig
 
 SERVER_MODULES = {"sglang": "sglang.launch_server", "reference": "eagle3.serve"}

@@ -27,14 +27,22 @@ from typing import Any
 from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 
-from eagle3.train import RESUMABLE_FIELDS
+from eagle3.training.trainer import RESUMABLE_FIELDS
 from tasks.config import ExperimentConfig, config_hash, flatten, masked_dict, masked_yaml, secret_values
 from tasks.mlflow_journal import journal_path
 from tasks.rundir import RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
 from tasks.secrets import install_log_redaction, redact, register_secrets
 from tasks.tracking import (
-    RunLogger, run_tags, eagleops_version, git_commit, mark_run, reopen_run, start_child_run, start_parent_run,
-    sync_before_resume, tracking_uri_for,
+    RunLogger,
+    eagleops_version,
+    git_commit,
+    mark_run,
+    reopen_run,
+    run_tags,
+    start_child_run,
+    start_parent_run,
+    sync_before_resume,
+    tracking_uri_for,
 )
 
 

@@ -60,7 +60,12 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from tasks.config import ExperimentConfig, flatten, masked_dict, masked_yaml  # noqa: E402
 from tasks.mlflow_journal import (  # noqa: E402
-    Journal, JournalState, is_placeholder, journal_path, new_placeholder_id, replace_ids,
+    Journal,
+    JournalState,
+    is_placeholder,
+    journal_path,
+    new_placeholder_id,
+    replace_ids,
 )
 from tasks.rundir import MANIFEST, write_json_atomic  # noqa: E402
 from tasks.secrets import redact, redact_obj  # noqa: E402
@@ -128,7 +133,7 @@ def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
 
 def _layer_ids(cfg: ExperimentConfig) -> list[int]:
     """The aux layer ids as asked, else SGLang's default when the target's depth is known here, else []."""
-    from eagle3.capture import default_aux_layer_ids
+    from eagle3.data.capture import default_aux_layer_ids
     from tasks.launch import target_architecture
 
     if cfg.target.aux_layer_ids:

@@ -1,6 +1,6 @@
 """train_draft: EAGLE-3 training-time-test training of the draft, metrics streamed to MLflow.
 
-A thin wrapper over `eagle3.train.train_draft`: it reads the data stage's outputs (dataset,
+A thin wrapper over `eagle3.training.train.train_draft`: it reads the data stage's outputs (dataset,
 target directory, aux layer ids, draft vocab size), streams per-step metrics (loss_k, acc_k,
 lr, simulated accept length on validation) to the stage's MLflow run through the trainer's
 callback, and logs the curves. Never retried: a failed training run needs a look, and the
@@ -16,8 +16,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3.tiny_target import cpu_threads
-from eagle3.train import train_draft as run_training
+from eagle3.data.tiny_target import cpu_threads
+from eagle3.training.train import train_draft as run_training
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
@@ -26,8 +26,8 @@ from tasks.train_nodes import train_on_nodes
 
 def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
     """Target features computed inside training (data.hidden_states: online)."""
-    from eagle3.capture import TargetFeatureExtractor
-    from eagle3.tiny_target import load_target
+    from eagle3.data.capture import TargetFeatureExtractor
+    from eagle3.data.target import load_target
 
     model, _ = load_target(target_dir, cfg.target.dtype, "cuda" if _cuda() else "cpu")
     return TargetFeatureExtractor.from_model(model, aux_layer_ids)

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3.data import HiddenStateDataset
-from eagle3.torchrun import NODE_STATUS
-from eagle3.train import DataPlan, relay_history_rows
+from eagle3.data.datasets import HiddenStateDataset
+from eagle3.training.schedule import DataPlan
+from eagle3.training.torchrun import NODE_STATUS
+from eagle3.training.train import relay_history_rows
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
@@ -122,7 +123,7 @@ def _master(cfg: ExperimentConfig, node0: Node) -> tuple[str, int]:
     return address, DEFAULT_MASTER_PORT
 
 
-_PROBE = ("import json, torch, eagle3.train; print(json.dumps({'torch': torch.__version__, "
+_PROBE = ("import json, torch, eagle3.training.train; print(json.dumps({'torch': torch.__version__, "
           "'cuda_devices': torch.cuda.device_count() if torch.cuda.is_available() else 0}))")
 
 

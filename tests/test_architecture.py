@@ -1,4 +1,11 @@
-"""The dependency direction eagle3 <- tasks <- flows, checked on every file's imports."""
+"""The house's rules, checked on every file's imports (lazy ones inside functions included).
+
+- The direction eagle3 <- tasks <- flows, and no orchestration library inside eagle3/.
+- Inside eagle3/, the wings from the bottom up: config/environment, draft, data, training,
+  export, serving, then the command aliases (`python -m eagle3.serve`, `python -m eagle3.torchrun`).
+  A module may import its own wing and the wings below it, never one above.
+- No circular import between eagle3 modules.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +17,88 @@ FORBIDDEN = {
     "eagle3": {"prefect", "mlflow", "paramiko", "yaml", "tasks", "flows", "typer"},
     "tasks": {"flows"},
 }
+# eagle3 wings, bottom first; a module's wing is the longest prefix of its dotted name listed here
+WINGS = [
+    ("eagle3.config", "eagle3.environment"),
+    ("eagle3.draft",),
+    ("eagle3.data",),
+    ("eagle3.training",),
+    ("eagle3.export",),
+    ("eagle3.serving",),
+    ("eagle3.serve", "eagle3.torchrun"),
+]
 
 
 def imported_modules(path: Path) -> set[str]:
+    """Top-level package names a file imports."""
+    return {name.split(".")[0] for name in imported_names(path)}
+
+
+def imported_names(path: Path) -> set[str]:
+    """Dotted module names a file imports, anywhere in it (`from a.b import c` -> a.b and a.b.c)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def wing_of(module: str) -> int | None:
+    """Index in WINGS of the wing `module` belongs to (None: not an eagle3 module we know)."""
+    for level, prefixes in enumerate(WINGS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return level
+    return None
+
+
+def eagle3_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((REPO / "eagle3").rglob("*.py"))}
+
+
+def wing_violations(modules: dict[str, Path]) -> list[str]:
+    """`a imports b` for every eagle3 import that points up the wings."""
+    violations = []
+    for name, path in modules.items():
+        own = wing_of(name)
+        for target in sorted(imported_names(path)):
+            level = wing_of(target)
+            if target.startswith("eagle3.") and level is not None and own is not None and level > own:
+                violations.append(f"{name} imports {target} (wing {WINGS[level][0]} is above {WINGS[own][0]})")
+    return violations
+
+
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """Cycles of the import graph between eagle3 modules (each cycle once, from its smallest name)."""
+    graph = {name: sorted(t for t in imported_names(path) if t in modules and t != name)
+             for name, path in modules.items()}
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt):]
+                start = cycle.index(min(cycle))
+                cycles.append(cycle[start:] + cycle[:start])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+    return cycles
 
 
 def test_layering():
@@ -32,7 +110,33 @@ def test_layering():
     assert violations == []
 
 
-def test_the_check_can_fail(tmp_path):
+def test_every_eagle3_module_is_in_a_wing():
+    assert [name for name in eagle3_modules() if name != "eagle3" and wing_of(name) is None] == []
+
+
+def test_wings_only_import_wings_below_them():
+    assert wing_violations(eagle3_modules()) == []
+
+
+def test_no_circular_import_in_eagle3():
+    assert import_cycles(eagle3_modules()) == []
+
+
+def test_the_checks_can_fail(tmp_path):
     offender = tmp_path / "bad.py"
     offender.write_text("import mlflow\nfrom prefect import flow\n")
     assert imported_modules(offender) == {"mlflow", "prefect"}
+
+    draft = tmp_path / "draft.py"
+    draft.write_text("def f():\n    from eagle3.serving.decoding import SpecConfig\n")
+    data = tmp_path / "data.py"
+    data.write_text("from eagle3.draft.vocab import load_draft_vocab\n")
+    assert wing_violations({"eagle3.draft.x": draft, "eagle3.data.y": data}) == [
+        "eagle3.draft.x imports eagle3.serving.decoding (wing eagle3.serving is above eagle3.draft)",
+        "eagle3.draft.x imports eagle3.serving.decoding.SpecConfig (wing eagle3.serving is above eagle3.draft)",
+    ]
+
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import eagle3.data.b\n")
+    b.write_text("def g():\n    from eagle3.data import a\n")
+    assert import_cycles({"eagle3.data.a": a, "eagle3.data.b": b}) == [["eagle3.data.a", "eagle3.data.b"]]

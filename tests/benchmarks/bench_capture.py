@@ -4,10 +4,10 @@ Target: Llama-3.1-8B shape (H 4096, 32 layers, FFN 14336, 32/8 heads, vocab 1282
 bf16 weights on CUDA; samples of T tokens (random ids), capture batch B. Four measurements over
 the same samples, each after a one-batch warm-up:
   forward          the target's base model forward alone (what capture cannot beat)
-  forward+hooks    eagle3.capture's forward with the aux-layer hooks (TargetFeatureExtractor)
-  capture          eagle3.data.capture_shard for every shard: + gather of the real tokens and the
+  forward+hooks    eagle3.data.capture's forward with the aux-layer hooks (TargetFeatureExtractor)
+  capture          eagle3.data.dump.capture_shard for every shard: + gather of the real tokens and the
                    device->host copies into the shard's host tensors (nothing written)
-  dump             eagle3.data.dump_hidden_states end to end: + safetensors writes with sha256 in the
+  dump             eagle3.data.dump.dump_hidden_states end to end: + safetensors writes with sha256 in the
                    writer thread, manifest; fresh directory
 Reports tok/s, the ratio to the plain forward (goal: dump >= 0.90), and the bytes written per
 token vs eagle3.environment.hidden_state_bytes (states) plus 9 B/token of ids and loss mask;
@@ -32,9 +32,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from eagle3.capture import TargetFeatureExtractor, capture_hidden_states  # noqa: E402
 from eagle3.config import DataConfig  # noqa: E402
-from eagle3.data import HiddenStateDataset, _right_pad, capture_shard, dump_hidden_states, plan_shards  # noqa: E402
+from eagle3.data.capture import TargetFeatureExtractor, capture_hidden_states  # noqa: E402
+from eagle3.data.datasets import HiddenStateDataset
+from eagle3.data.dump import _right_pad, capture_shard, dump_hidden_states
+from eagle3.data.shards import plan_shards  # noqa: E402
 from eagle3.environment import hidden_state_bytes  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -61,7 +63,7 @@ def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def make_samples(num: int, seq: int, vocab: int, seed: int = 1) -> list[dict]:
-    """Samples of the eagle3/data.py contract: all `train`, T tokens, every token in the loss."""
+    """Samples of the eagle3/data/datasets.py contract: all `train`, T tokens, every token in the loss."""
     g = torch.Generator().manual_seed(seed)
     return [{"id": i, "split": "train", "input_ids": torch.randint(0, vocab, (seq,), generator=g).tolist(),
              "loss_mask": [1] * seq} for i in range(num)]

@@ -4,7 +4,7 @@
 
 Starts `python -m eagle3.serve` on 127.0.0.1 (default: the tiny random target + random EAGLE-3
 draft the HTTP tests build; or a given target and SGLang-format draft), runs
-`eagle3.sglang_client.run_benchmark` at concurrency 1 on the builtin prompts and prints, per
+`eagle3.serving.sglang_client.run_benchmark` at concurrency 1 on the builtin prompts and prints, per
 timed run and as medians:
 - client tok/s: output tokens / run wall time (what run_benchmark reports);
 - server e2e tok/s: output tokens / sum of the server's per-request `meta_info.e2e_latency`
@@ -25,9 +25,12 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests" / "eagle3" / "serving")]
 
-from eagle3.sglang_client import (  # noqa: E402
+from test_serve_http import build_model_dirs  # noqa: E402
+from test_sglang_client import launch_reference_server, stop_server  # noqa: E402
+
+from eagle3.serving.sglang_client import (
     RunStats,
     SGLangClient,
     builtin_prompts,
@@ -35,8 +38,6 @@ from eagle3.sglang_client import (  # noqa: E402
     run_benchmark,
     summarize_decode_log,
 )
-from test_serve_http import build_model_dirs  # noqa: E402
-from test_sglang_client import launch_reference_server, stop_server  # noqa: E402
 
 
 def run_figures(run: RunStats) -> dict[str, float]:

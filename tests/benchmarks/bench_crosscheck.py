@@ -4,7 +4,7 @@
         [--target DIR --draft DIR] [--spec 3/1/4] [--num-prompts 8] [--output-len 64]
 
 Starts `python -m eagle3.serve` on 127.0.0.1 (the target and EAGLE-3 draft given, or a tiny
-random Llama target with its BPE tokenizer and a random draft built like tests/test_serve_http.py
+random Llama target with its BPE tokenizer and a random draft built like tests/eagle3/serving/test_serve_http.py
 does), writes a local ShareGPT-format JSON of builtin held-out chat prompts (SGLang's own
 sharegpt/random datasets download ShareGPT from the Hub, which is not reachable here), and runs
 `python -m sglang.benchmark.serving --backend sglang` from the CPU SGLang venv
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from eagle3.data import builtin_conversations  # noqa: E402
+from eagle3.data.prompts import builtin_conversations  # noqa: E402
 
 DEFAULT_SGLANG_PYTHON = Path.home() / ".cache" / "eagleops" / "sglang-cpu-venv" / "bin" / "python"
 SERVER_START_TIMEOUT_S = 180
@@ -46,9 +46,9 @@ def build_tiny_model_dirs(root: Path) -> tuple[Path, Path]:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from eagle3.data.tiny_target import CorpusFile, stop_token_ids, train_tokenizer
+    from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel
     from eagle3.export import export_sglang
-    from eagle3.model import DraftModelConfig, Eagle3DraftModel
-    from eagle3.tiny_target import CorpusFile, stop_token_ids, train_tokenizer
 
     stdlib = Path(json.__file__).parents[1]
     tokenizer = train_tokenizer([CorpusFile(m, (stdlib / m).read_text()) for m in CORPUS_MODULES], vocab_size=320)
@@ -161,7 +161,7 @@ def run_our_client(port: int, target: Path, dataset: Path, output_len: int, chat
     """eagleops' own client on the same server and conversations: tok/s, TTFT, ITL, accept length."""
     import statistics
 
-    from eagle3.sglang_client import SGLangClient, render_prompts, run_benchmark
+    from eagle3.serving.sglang_client import SGLangClient, render_prompts, run_benchmark
 
     conversations = [[{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
                       for t in c["conversations"][:1]] for c in json.loads(dataset.read_text())]

@@ -37,13 +37,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import eagle3.data  # noqa: E402
 from bench_spec_decode import parse_settings, training_prompts  # noqa: E402
 from bench_spec_decode import run as run_spec_decode  # noqa: E402
-from eagle3.data import generate_dataset  # noqa: E402
+
+import eagle3.data.generate  # noqa: E402
+from eagle3.data.generate import generate_dataset  # noqa: E402
+from eagle3.data.tiny_target import build_tiny_target, cpu_threads  # noqa: E402
 from eagle3.export import export_checkpoint  # noqa: E402
-from eagle3.tiny_target import build_tiny_target, cpu_threads  # noqa: E402
-from eagle3.train import train_draft  # noqa: E402
+from eagle3.training.train import train_draft  # noqa: E402
 from tasks.config import ExperimentConfig  # noqa: E402
 
 
@@ -108,12 +109,12 @@ def pinned_data_threads(threads: int):
     if not threads:
         yield
         return
-    original = eagle3.data.cpu_threads
-    eagle3.data.cpu_threads = lambda requested=0: original(threads)
+    original = eagle3.data.generate.cpu_threads
+    eagle3.data.generate.cpu_threads = lambda requested=0: original(threads)
     try:
         yield
     finally:
-        eagle3.data.cpu_threads = original
+        eagle3.data.generate.cpu_threads = original
 
 
 def settings_tag(*sections) -> str:

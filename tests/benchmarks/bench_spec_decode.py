@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/benchmarks/bench_spec_decode.py --draft runs/<exp>/<run>/export_checkpoint/sglang
 
-The target defaults to the embedded tiny target (eagle3.tiny_target.build_tiny_target with the
+The target defaults to the embedded tiny target (eagle3.data.tiny_target.build_tiny_target with the
 default TinyTargetConfig, built or reused under --cache-root); --draft is the SGLang-format
 export of a draft trained for it. Prompts are the builtin held-out chat prompts under the
 target's chat template; --exclude-samples (the draft's samples.jsonl) drops those the draft
@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from eagle3.config import TinyTargetConfig  # noqa: E402
-from eagle3.data import builtin_conversations, prompt_part  # noqa: E402
-from eagle3.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel  # noqa: E402
-from eagle3.serve import load_eagle3_drafter  # noqa: E402
-from eagle3.tiny_target import build_tiny_target, load_target  # noqa: E402
+from eagle3.data.prompts import builtin_conversations, prompt_part  # noqa: E402
+from eagle3.data.target import load_target  # noqa: E402
+from eagle3.data.tiny_target import build_tiny_target
+from eagle3.serving.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel  # noqa: E402
+from eagle3.serving.settings import load_eagle3_drafter  # noqa: E402
 
 DEFAULT_SETTINGS = "3/1/4,5/1/6,7/1/8,5/4/8,4/2/6"
 

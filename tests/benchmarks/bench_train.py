@@ -5,7 +5,7 @@ Shape: H 4096, FFN 14336, 32 heads / 8 KV (head_dim 128), target vocab 128256, d
 Variants (same initial weights, same batch, fresh AdamW each):
   dense_eager     plain eager: dense boolean TTT mask in SDPA, [T, V] fp32 teacher, unfused loss
   dense_compiled  the same function under torch.compile
-  fast_eager      eagle3.train path: causal flash + analytic diagonal merge, chunked teacher,
+  fast_eager      eagle3.training.train path: causal flash + analytic diagonal merge, chunked teacher,
                   fused soft-CE with in-forward gradients
   fast_compiled   the same with the layer halves, merge math and loss chunks compiled
   fast_compiled_b2  fast_compiled at batch 2
@@ -13,7 +13,7 @@ MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal 
 all x3 for fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
 rate measured here. Prints a table; writes JSON (--out).
 
---loop instead runs the REAL training loop (`eagle3.train.train_draft`, the same entry the
+--loop instead runs the REAL training loop (`eagle3.training.train.train_draft`, the same entry the
 pipeline uses, torchrun relaunch included) on synthetic offline shards of the project's format
 written to a tmp dir: one GPU, DDP x2, FSDP x2 (`--modes`), N optimizer steps each at per-GPU
 batch x grad_accum, and reports the loop's tokens/s (median of the log windows after the
@@ -44,12 +44,14 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import eagle3.losses as losses  # noqa: E402
-import eagle3.model as model_mod  # noqa: E402
+import eagle3.draft.losses as losses  # noqa: E402
+import eagle3.draft.model as model_mod  # noqa: E402
 from eagle3.config import TrainConfig  # noqa: E402
-from eagle3.losses import compute_teacher  # noqa: E402
-from eagle3.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
-from eagle3.train import Eagle3TTTModule, clip_and_step, train_draft  # noqa: E402
+from eagle3.draft.losses import compute_teacher  # noqa: E402
+from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
+from eagle3.training.train import train_draft  # noqa: E402
+from eagle3.training.trainer import clip_and_step
+from eagle3.training.ttt import Eagle3TTTModule
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -153,7 +155,7 @@ def baseline_loss(draft: Eagle3DraftModel, data: dict, lm_head, ttt: int, decay:
 
 
 def fast_loss(module: Eagle3TTTModule, data: dict, lm_head, chunk: int):
-    """The eagle3.train path: chunked teacher + Eagle3TTTModule (fast attention, fused loss)."""
+    """The eagle3.training.train path: chunked teacher + Eagle3TTTModule (fast attention, fused loss)."""
     draft = module.draft
     target_p, target_ids, in_vocab = compute_teacher(data["last"], lm_head, draft.t2d, chunk)
     loss, _ = module(data["input_ids"], data["aux"], data["loss_mask"], target_p, target_ids, in_vocab)
@@ -293,13 +295,13 @@ def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0) -> Path
 
 def write_synthetic_dataset(data_dir: Path, shape: dict, lengths: dict[str, list[int]], shard_size: int,
                             seed: int = 0) -> Path:
-    """Offline shards + manifest.json (eagle3/data.py format, bf16) and the draft vocab, random content.
+    """Offline shards + manifest.json (eagle3/data/shards.py format, bf16) and the draft vocab, random content.
 
     lengths: tokens of each sample per split, e.g. {"train": [2048] * 32, "validation": [2048] * 2}.
     The random states are drawn once and sliced for every shard: their values do not change speed.
     """
-    from eagle3.data import FORMAT_VERSION, MANIFEST, _write_shard
-    from eagle3.vocab import build_draft_vocab, save_draft_vocab
+    from eagle3.data.shards import FORMAT_VERSION, MANIFEST, _write_shard
+    from eagle3.draft.vocab import build_draft_vocab, save_draft_vocab
 
     hidden, k, vocab = shape["target_hidden_size"], len(shape["aux_layer_ids"]), shape["vocab_size"]
     g = torch.Generator().manual_seed(seed)
@@ -344,7 +346,7 @@ def loop_config(mode: str, args) -> TrainConfig:
 
 
 def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
-    """One train_draft run; one GPU runs as its own process (`python -m eagle3.train`, as a rank
+    """One train_draft run; one GPU runs as its own process (`python -m eagle3.training.train`, as a rank
     would) so no mode inherits another's GPU memory; devices=2 goes through train_draft's torchrun relaunch."""
     cfg = loop_config(mode, args)
     t0 = time.perf_counter()
@@ -355,7 +357,7 @@ def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path
     elif cfg.devices == 1:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "cfg.json").write_text(cfg.model_dump_json())
-        cmd = [sys.executable, "-m", "eagle3.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
+        cmd = [sys.executable, "-m", "eagle3.training.train", "--data-dir", str(data_dir), "--target-dir", str(target_dir),
                "--out-dir", str(out_dir), "--config", str(out_dir / "cfg.json"),
                "--aux-layer-ids", ",".join(map(str, shape["aux_layer_ids"])),
                "--draft-vocab-size", str(shape["draft_vocab_size"])]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3.config import TinyTargetConfig
-from eagle3.tiny_target import build_tiny_target
+from eagle3.data.tiny_target import build_tiny_target
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.config import ExportConfig
+from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.export import (
     assert_valid_sglang_checkpoint,
     export_checkpoint,
@@ -21,7 +22,6 @@ from eagle3.export import (
     validate_sglang_checkpoint,
     validate_speculators_checkpoint,
 )
-from eagle3.model import DraftModelConfig, Eagle3DraftModel
 
 # SGLang's LlamaForCausalLMEagle3 tensor names (sglang python/sglang/srt/models/llama_eagle3.py,
 # checkpoint naming, one layer, no fc bias, no norm_before_fc); embed_tokens is the target's.

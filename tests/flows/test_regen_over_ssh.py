@@ -23,8 +23,8 @@ import pytest
 import torch
 from prefect.settings import PREFECT_API_URL
 
-from eagle3.data import read_samples
-from eagle3.tiny_target import load_target
+from eagle3.data.samples import read_samples
+from eagle3.data.target import load_target
 from flows.experiment import eagle3_experiment
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 

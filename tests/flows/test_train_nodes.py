@@ -88,7 +88,7 @@ def processes_under(root: Path) -> dict[int, list[str]]:
             argv = [a.decode(errors="replace") for a in (entry / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
-        if any(str(root) in a for a in argv) and ("eagle3.train" in argv or "eagle3.torchrun" in argv):
+        if any(str(root) in a for a in argv) and ("eagle3.training.train" in argv or "eagle3.torchrun" in argv):
             found[int(entry.name)] = argv
     return found
 
@@ -191,9 +191,9 @@ def _kill_a_rank_after_the_first_checkpoint(remote: Path) -> _Killer:
 
 
 def _rank_pid(remote: Path, rank: int) -> int | None:
-    """A torchrun worker (`-m eagle3.train`, not the launcher or torchrun) whose RANK is `rank`."""
+    """A torchrun worker (`-m eagle3.training.train`, not the launcher or torchrun) whose RANK is `rank`."""
     for pid, argv in processes_under(remote).items():
-        if "eagle3.train" not in argv or "torch.distributed.run" in argv:
+        if "eagle3.training.train" not in argv or "torch.distributed.run" in argv:
             continue
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

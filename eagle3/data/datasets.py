@@ -1,0 +1,107 @@
+"""The datasets the trainer reads: `HiddenStateDataset` (offline shards, read lazily),
+`TokenizedDataset` (online mode: tokens only) and `collate_hidden_states`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset
+
+from eagle3.data.samples import SAMPLES_FILE, read_samples
+from eagle3.data.shards import MANIFEST, _manifest_dir
+
+
+class HiddenStateDataset(Dataset):
+    """Offline samples: dicts of `input_ids` [T] int64, `loss_mask` [T] int64 (1 = assistant),
+    `aux_hidden_states` [T, k*H_t] and `last_hidden_states` [T, H_t] (dtype as stored).
+
+    Reads lazily from the shards (safetensors slices), reopening files after a fork so it
+    works with DataLoader workers. The manifest (`self.manifest`) must be complete.
+    """
+
+    def __init__(self, offline_dir: Path | str, split: str = "train") -> None:
+        if split not in ("train", "validation"):
+            raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+        self.directory = _manifest_dir(Path(offline_dir))
+        self.manifest = json.loads((self.directory / MANIFEST).read_text())
+        if not self.manifest.get("complete"):
+            raise ValueError(f"{self.directory / MANIFEST} is incomplete; rerun generate_dataset to resume the dump")
+        self.split = split
+        self.index: list[tuple[str, int, int]] = []  # (shard file, token offset, length)
+        for entry in self.manifest["shards"]:
+            if entry["split"] == split:
+                with safe_open(str(self.directory / entry["file"]), framework="pt") as fh:
+                    lengths = fh.get_tensor("lengths").tolist()
+                offsets = [0, *itertools.accumulate(lengths)][:-1]
+                self.index.extend((entry["file"], o, n) for o, n in zip(offsets, lengths, strict=True))
+        self._handles: dict[str, object] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _handle(self, name: str):
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+        if name not in self._handles:
+            self._handles[name] = safe_open(str(self.directory / name), framework="pt")
+        return self._handles[name]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        name, start, length = self.index[i]
+        fh = self._handle(name)
+
+        def rows(key: str) -> torch.Tensor:
+            return fh.get_slice(key)[start : start + length]
+
+        return {
+            "input_ids": rows("input_ids").long(),
+            "loss_mask": rows("loss_mask").long(),
+            "aux_hidden_states": rows("aux_hidden_states"),
+            "last_hidden_states": rows("last_hidden_states"),
+        }
+
+
+class TokenizedDataset(Dataset):
+    """Online-mode samples: dicts of `input_ids` [T] int64 and `loss_mask` [T] int64."""
+
+    def __init__(self, samples_path: Path | str, split: str = "train") -> None:
+        path = Path(samples_path)
+        path = path / SAMPLES_FILE if path.is_dir() else path
+        self.samples = [
+            (torch.tensor(s["input_ids"], dtype=torch.long), torch.tensor(s["loss_mask"], dtype=torch.long))
+            for s in read_samples(path, split)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        input_ids, loss_mask = self.samples[i]
+        return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def collate_hidden_states(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad every key to the batch's longest sample and add `attention_mask` [B, T] (1 = real).
+
+    Pads are 0 (ids, mask, states). Works for both datasets: hidden keys are padded when present.
+    """
+    width = max(len(it["input_ids"]) for it in items)
+    batch = {}
+    for key in items[0]:
+        first = items[0][key]
+        out = torch.zeros((len(items), width, *first.shape[1:]), dtype=first.dtype)
+        for i, it in enumerate(items):
+            out[i, : len(it[key])] = it[key]
+        batch[key] = out
+    batch["attention_mask"] = torch.zeros((len(items), width), dtype=torch.long)
+    for i, it in enumerate(items):
+        batch["attention_mask"][i, : len(it["input_ids"])] = 1
+    return batch

@@ -1,0 +1,39 @@
+"""Disk space for the offline hidden states: the bytes a dump writes and the free-space check
+made before anything is computed (reference eagle3-training.md (e).4: 4 * H * 2 bytes per
+token in bf16).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from eagle3.data.files import LogFn
+from eagle3.environment import hidden_state_bytes as estimate_hidden_state_bytes
+
+
+class InsufficientDiskSpaceError(OSError):
+    """The offline hidden states would not fit on the destination filesystem."""
+
+
+def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: int, dtype_bytes: int) -> int:
+    """Shard bytes: hidden states + int64 ids + uint8 mask per token + int64 length/id per sample."""
+    states = estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype_bytes)
+    return states + 9 * num_tokens + 16 * num_samples
+
+
+def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
+    """Raise InsufficientDiskSpaceError unless need (+5% and 100 MiB headroom) fits in free space."""
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    required = int(need * 1.05) + (100 << 20)
+    log(
+        f"hidden states: need {need / 1e9:.3f} GB (+headroom {required / 1e9:.3f} GB), "
+        f"free {free / 1e9:.3f} GB at {directory}"
+    )
+    if required > free:
+        raise InsufficientDiskSpaceError(
+            f"offline hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
+            f"but only {free} bytes ({free / 1e9:.3f} GB) are free at {directory}; free space, lower "
+            "data.num_samples / data.max_length, or use data.hidden_states: online"
+        )

@@ -1,0 +1,218 @@
+"""The offline dump: the target's hidden states of every sample captured into shards
+(`eagle3.data.shards`), resumable shard by shard.
+
+Risk: the dump must keep pace with the target's forward: device->host copies overlap the next
+batch's forward (`_HostCopier`) and shards are written and hashed on writer threads while the
+next one is captured (`_capture_and_write`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from eagle3.config import DataConfig
+from eagle3.data.capture import TargetFeatureExtractor
+from eagle3.data.disk import _dump_bytes, check_disk_space
+from eagle3.data.files import LogFn, ProgressFn
+from eagle3.data.shards import (
+    STATE_DTYPES,
+    _clear_stale,
+    _manifest_header,
+    _shard_entry,
+    _temp_name,
+    _verified_shards,
+    _write_hidden_shard,
+    _write_manifest,
+    plan_shards,
+)
+
+
+def _right_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ids with 0. -> input_ids, attention_mask [B, T]"""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _real_token_rows(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """Flat row indices of the real tokens of a right-padded [B, width] batch, in sample order.
+
+    Example: lengths [3, 1], width 3 -> [0, 1, 2, 3] (row 1 keeps only its first position).
+    """
+    return torch.cat([torch.arange(i * width, i * width + n) for i, n in enumerate(lengths)])
+
+
+class _HostCopier:
+    """Device -> host copies of captured states that overlap the next batch's forward.
+
+    Each batch's packed states are copied (non_blocking, on a side stream) into one of two
+    staging buffers, page-locked on CUDA so the copy is real DMA; the previous batch's buffer is
+    then moved into the shard's host tensors while the GPU runs the current forward. The only
+    waits are on a copy queued one batch earlier, never a sync per sample. On CPU the same
+    ring runs with plain buffers and synchronous copies.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.slots: list[list[torch.Tensor]] = [[], []]
+        self.pending: list[tuple[int, object, list[torch.Tensor]] | None] = [None, None]
+        self.turn = 0
+
+    def _staging(self, slot: int, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        buffers = self.slots[slot]
+        if len(buffers) != len(sources) or any(b.shape[0] < s.shape[0] for b, s in zip(buffers, sources, strict=True)):
+            buffers = [torch.empty(s.shape, dtype=s.dtype, pin_memory=self.cuda) for s in sources]
+            self.slots[slot] = buffers
+        return [b[: s.shape[0]] for b, s in zip(buffers, sources, strict=True)]
+
+    def copy(self, sources: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
+        """Queue sources (device tensors) -> destinations (host tensors of the same shapes)."""
+        slot, self.turn = self.turn, 1 - self.turn
+        self._drain(slot)  # this slot's previous batch (two batches ago) must be out of it
+        staging = self._staging(slot, sources)
+        event = None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(sources[0].device))  # sources are computed
+            with torch.cuda.stream(self.stream):
+                for dst, src in zip(staging, sources, strict=True):
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(self.stream)  # keep src's memory until the copy has run
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            for dst, src in zip(staging, sources, strict=True):
+                dst.copy_(src)
+        self.pending[slot] = (slot, event, list(destinations))
+        self._drain(1 - slot)  # the previous batch: its copy was queued before this forward ran
+
+    def _drain(self, slot: int) -> None:
+        if self.pending[slot] is None:
+            return
+        _, event, destinations = self.pending[slot]
+        if event is not None:
+            event.synchronize()
+        for dst, src in zip(destinations, self.slots[slot], strict=True):
+            dst.copy_(src[: dst.shape[0]])
+        self.pending[slot] = None
+
+    def finish(self) -> None:
+        """Wait for every queued copy; the destinations are complete after this."""
+        for slot in (self.turn, 1 - self.turn):
+            self._drain(slot)
+
+
+def capture_shard(extractor: TargetFeatureExtractor, members: list[dict], batch_size: int, dtype: torch.dtype) -> dict:
+    """Hidden states of one shard's samples, packed back to back (see module docstring).
+
+    Per batch: one forward, the real tokens gathered on the device, converted to `dtype` there
+    ([n_real, k*H] and [n_real, H]), and one asynchronous copy of each into the shard's host
+    tensors (`_HostCopier`), so copying batch b overlaps the forward of batch b + 1.
+    """
+    lengths = [len(s["input_ids"]) for s in members]
+    k, hidden = len(extractor.hf_indices), extractor.hidden_size
+    aux_out = torch.empty((sum(lengths), k * hidden), dtype=dtype)  # [N_tok, k*H]
+    last_out = torch.empty((sum(lengths), hidden), dtype=dtype)  # [N_tok, H]
+    copier, offset = _HostCopier(extractor.device), 0
+    for b in range(0, len(members), batch_size):
+        rows = [s["input_ids"] for s in members[b : b + batch_size]]
+        ids, mask = _right_pad(rows)
+        aux, last = extractor(ids, mask)  # [B, T, k*H], [B, T, H]
+        keep = _real_token_rows([len(r) for r in rows], ids.shape[1])
+        keep = (keep.pin_memory() if copier.cuda else keep).to(aux.device, non_blocking=True)
+        packed = [aux.flatten(0, 1).index_select(0, keep).to(dtype), last.flatten(0, 1).index_select(0, keep).to(dtype)]
+        n = keep.shape[0]
+        copier.copy(packed, [aux_out[offset : offset + n], last_out[offset : offset + n]])
+        offset += n
+    copier.finish()
+    return {
+        "input_ids": torch.tensor([t for s in members for t in s["input_ids"]], dtype=torch.long),
+        "loss_mask": torch.tensor([t for s in members for t in s["loss_mask"]], dtype=torch.uint8),
+        "lengths": torch.tensor(lengths, dtype=torch.long),
+        "sample_ids": torch.tensor([s["id"] for s in members], dtype=torch.long),
+        "aux_hidden_states": aux_out,
+        "last_hidden_states": last_out,
+    }
+
+
+_SHARD_WRITERS = 2
+
+
+def dump_hidden_states(
+    extractor: TargetFeatureExtractor, samples: list[dict], directory: Path, data_cfg: DataConfig,
+    fingerprint: str, progress: ProgressFn, log: LogFn,
+) -> dict:
+    """Write (or resume) the offline shards + manifest.json; returns a small summary.
+
+    Shards already written by a run with the same fingerprint and intact sha256 are kept;
+    free space is checked for the remaining ones before anything is computed.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = STATE_DTYPES[data_cfg.hidden_states_dtype]
+    plan = plan_shards(samples, data_cfg.shard_size)
+    done = _verified_shards(directory, fingerprint)
+    _clear_stale(directory, set(done))
+    todo = [(name, members) for name, members in plan if name not in done]
+    todo_tokens = sum(len(s["input_ids"]) for _, members in todo for s in members)
+    k, hidden = len(extractor.hf_indices), extractor.hidden_size
+    need = _dump_bytes(todo_tokens, sum(len(m) for _, m in todo), hidden, k, dtype.itemsize)
+    check_disk_space(directory, need, log)
+    manifest = _manifest_header(extractor, data_cfg, fingerprint, samples)
+    entries = dict(done)
+    counts = {"written": 0, "finished": sum(len(m) for name, m in plan if name in done)}
+    progress("hidden_states", counts["finished"], len(samples))
+
+    def on_written(name: str, members: list[dict], digest: str, size: int) -> None:
+        entries[name] = _shard_entry(name, members, digest, size)
+        counts["written"] += size
+        counts["finished"] += len(members)
+        _write_manifest(directory, manifest, [entries[n] for n, _ in plan if n in entries], complete=False)
+        progress("hidden_states", counts["finished"], len(samples))
+
+    _capture_and_write(extractor, todo, directory, data_cfg.capture_batch_size, dtype, on_written)
+    _write_manifest(directory, manifest, [entries[n] for n, _ in plan], complete=True)
+    total = sum(e["bytes"] for e in entries.values())
+    return {"estimate_bytes": need, "bytes_written": counts["written"], "bytes_total": total,
+            "shards": len(plan), "shards_reused": len(done)}
+
+
+def _capture_and_write(
+    extractor: TargetFeatureExtractor, todo: list[tuple[str, list[dict]]], directory: Path, batch_size: int,
+    dtype: torch.dtype, on_written: Callable[[str, list[dict], str, int], None],
+) -> None:
+    """Capture every shard of `todo` and write it on writer threads; `on_written(name, members,
+    sha256, bytes)` runs in plan order once a shard's file is renamed into place.
+
+    Writer threads write and hash shards n and n + 1 while shard n + 2 is captured (at most
+    _SHARD_WRITERS + 1 shards in RAM): one sha256 stream (~1-2 GB/s) is about what an 8B
+    target's forward produces, two keep up with margin. Files stay hidden until renamed here in
+    plan order, right before `on_written` lists them: the visible shards are always those the
+    manifest lists (plus, for an instant, the one being added).
+    """
+    pending: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+        name, members, write = pending.popleft()
+        digest, size = write.result()
+        os.replace(_temp_name(directory / name), directory / name)
+        on_written(name, members, digest, size)
+
+    with ThreadPoolExecutor(max_workers=_SHARD_WRITERS, thread_name_prefix="shard-writer") as writer:
+        for name, members in todo:
+            tensors = capture_shard(extractor, members, batch_size, dtype)
+            if len(pending) == _SHARD_WRITERS:
+                finish_oldest()
+            pending.append((name, members, writer.submit(_write_hidden_shard, tensors, directory / name)))
+            del tensors  # the writer holds the only reference: freed once written
+        while pending:
+            finish_oldest()

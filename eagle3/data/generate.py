@@ -1,0 +1,326 @@
+"""The data stage: prompts -> target responses -> chat tokens + loss mask -> draft vocab ->
+target hidden states (offline shards) or nothing (online). `generate_dataset` is the entry the
+Prefect task wraps.
+
+Owns the dataset directory: `samples.jsonl` (`eagle3.data.samples`), `failed.jsonl`
+(`eagle3.data.server_pool`), `vocab/` (the draft vocabulary, `eagle3.draft.vocab`) and
+`hidden_states/` (offline: `eagle3.data.shards`). Every part is keyed by a fingerprint of what
+decides it, so a rerun reuses what matches and resumes what was cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
+from eagle3.data.capture import TargetFeatureExtractor, aux_ids_to_hf_indices, default_aux_layer_ids
+from eagle3.data.chat import Message, chat_template_sha256, turn_stop_ids
+from eagle3.data.dump import dump_hidden_states
+from eagle3.data.files import LogFn, ProgressFn, atomic_write_text, file_sha256
+from eagle3.data.prompts import load_conversations, prompt_part
+from eagle3.data.regeneration import (
+    RegenerationLog,
+    regenerate_http,
+    regenerate_local,
+    regenerate_sglang,
+    regeneration_settings,
+)
+from eagle3.data.samples import (
+    FAILED_FILE,
+    SAMPLES_FILE,
+    SAMPLES_FORMAT,
+    SAMPLES_META,
+    build_samples,
+    read_samples,
+    write_samples,
+)
+from eagle3.data.server_pool import FailureLog
+from eagle3.data.shards import STATE_DTYPES
+from eagle3.data.target import load_target
+from eagle3.data.tiny_target import cpu_threads, heldout_corpus
+from eagle3.draft.vocab import build_or_load_draft_vocab
+from eagle3.environment import hidden_state_bytes as estimate_hidden_state_bytes
+
+# Starts the regeneration servers on entry, stops them on exit; yields their base URLs.
+OpenEndpoints = Callable[[], contextlib.AbstractContextManager[list[str]]]
+
+
+def _noop_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+def _target_identity(target_dir: Path) -> str:
+    """Hash of the target's config and weight files (names and sizes) plus its tokenizer files."""
+    h = hashlib.sha256((target_dir / "config.json").read_bytes())
+    for path in sorted(target_dir.glob("*.safetensors")) + sorted(target_dir.glob("tokenizer*.json")):
+        h.update(f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _prompts_identity(data_cfg: DataConfig) -> str:
+    if data_cfg.prompts == "builtin":
+        return "builtin:" + hashlib.sha256("\n".join(f.relpath for f in heldout_corpus()).encode()).hexdigest()
+    return "file:" + file_sha256(Path(data_cfg.prompts))
+
+
+def samples_fingerprint(target_dir: Path, data_cfg: DataConfig) -> str:
+    """What decides samples.jsonl: target, prompts, sizes, split, regeneration settings."""
+    rcfg = regeneration_settings(data_cfg.regenerate)
+    # Where the target is served does not decide its answers (its identity is in "target").
+    for unrelated in ("concurrency", "retries", "timeout_s", "batch_size", "backoff_s", "api_key_set", "endpoints",
+                      "deploy", "max_failed_fraction"):
+        rcfg.pop(unrelated)
+    payload = {
+        "format": SAMPLES_FORMAT,
+        "target": _target_identity(target_dir),
+        "prompts": _prompts_identity(data_cfg),
+        "data": data_cfg.model_dump(include={"num_samples", "max_length", "validation_fraction", "seed"}),
+        "regenerate": rcfg,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _generation_eos(target_dir: Path) -> int | list[int] | None:
+    path = target_dir / "generation_config.json"
+    return json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+
+
+def _final_conversations(
+    conversations: list[list[Message]], data_cfg: DataConfig, load_model: Callable, tokenizer,
+    stop_ids: list[int], out_dir: Path, fingerprint: str, progress: ProgressFn, log: LogFn,
+    open_endpoints: OpenEndpoints | None = None,
+) -> tuple[list[list[Message]], dict[int, list[int]], list[int]]:
+    """Conversations with the target's answers (regeneration on) or as given (off), the target's
+    generated token ids per returned conversation where the backend returns them (local, sglang),
+    and the indices of the prompts that failed for good (left out of the conversations)."""
+    rcfg = data_cfg.regenerate
+    if not rcfg.enabled:
+        for n, c in enumerate(conversations):
+            if c[-1]["role"] != "assistant":
+                raise ValueError(f"data.regenerate.enabled is false but conversation {n} has no final assistant answer")
+        return conversations, {}, []
+    prompts = [prompt_part(c, f"conversation {n}") for n, c in enumerate(conversations)]
+    record = RegenerationLog(out_dir / f".regenerated-{fingerprint[:16]}.jsonl")
+    if record.done:
+        log(f"regenerate: resuming, {len(record.done)}/{len(prompts)} answers already done")
+    failures = FailureLog(None)
+    try:
+        if rcfg.backend == "local":
+            model = load_model()
+            regenerate_local(
+                model, tokenizer, prompts, rcfg, data_cfg.max_length, stop_ids, record, progress, data_cfg.seed
+            )
+        elif len(record.done) < len(prompts):
+            failures = FailureLog(out_dir / FAILED_FILE)  # what failed in an earlier pass is asked again
+            with _servers(rcfg, open_endpoints) as urls:
+                log(f"regenerate: {len(prompts) - len(record.done)} prompts through {len(urls)} server(s), "
+                    f"{rcfg.concurrency} in flight each")
+                if rcfg.backend == "sglang":
+                    regenerate_sglang(prompts, tokenizer, rcfg, data_cfg.max_length, stop_ids, record, progress, log,
+                                      urls, failures)
+                else:
+                    regenerate_http(prompts, rcfg, record, progress, log, urls, failures)
+    finally:
+        record.close()
+    answered = [i for i in range(len(prompts)) if i in record.done]
+    final = [prompts[i] + [{"role": "assistant", "content": record.done[i]}] for i in answered]
+    answer_ids = {n: record.token_ids[i] for n, i in enumerate(answered) if i in record.token_ids}
+    return final, answer_ids, failures.indices
+
+
+def _servers(rcfg: RegenerateConfig, open_endpoints: OpenEndpoints | None) -> contextlib.AbstractContextManager:
+    """The named servers, or the ones `open_endpoints` starts (and stops on exit)."""
+    if rcfg.server_urls:
+        return contextlib.nullcontext(rcfg.server_urls)
+    if open_endpoints is None:
+        raise ValueError("data.regenerate.deploy: the servers are started by the data stage (tasks.data); "
+                         "called directly, generate_dataset needs open_endpoints or data.regenerate.endpoints")
+    return open_endpoints()
+
+
+def _prepare_samples(
+    target_dir: Path, data_cfg: DataConfig, tokenizer, stop_ids: list[int], load_model: Callable,
+    out_dir: Path, progress: ProgressFn, log: LogFn, open_endpoints: OpenEndpoints | None = None,
+) -> tuple[list[dict], dict]:
+    """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split."""
+    fingerprint = samples_fingerprint(target_dir, data_cfg)
+    meta_path, samples_path = out_dir / SAMPLES_META, out_dir / SAMPLES_FILE
+    if meta_path.is_file() and samples_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("fingerprint") == fingerprint and meta.get("sha256") == file_sha256(samples_path):
+            log(f"data: reusing {samples_path} (same target, prompts and settings)")
+            return read_samples(samples_path), meta
+    progress("prompts", 0, 1)
+    conversations = load_conversations(data_cfg, log)
+    progress("prompts", 1, 1)
+    final, answer_ids, failed = _final_conversations(
+        conversations, data_cfg, load_model, tokenizer, stop_ids, out_dir, fingerprint, progress, log, open_endpoints
+    )
+    if failed:
+        log(f"regenerate: {len(failed)} prompt(s) failed after their retries and are left out: {out_dir / FAILED_FILE}")
+    samples, dropped = build_samples(tokenizer, final, data_cfg, stop_ids, progress, answer_ids)
+    if not any(s["split"] == "train" for s in samples):
+        raise ValueError(f"no usable training sample: all {len(final)} conversations had no assistant token "
+                         f"within data.max_length={data_cfg.max_length}")
+    meta = {"fingerprint": fingerprint, "sha256": write_samples(samples, samples_path), "dropped": dropped,
+            "num_conversations": len(final), "failed": failed}
+    atomic_write_text(meta_path, json.dumps(meta, indent=2))
+    (out_dir / f".regenerated-{fingerprint[:16]}.jsonl").unlink(missing_ok=True)
+    return samples, meta
+
+
+def _dump_fingerprint(samples_sha: str, aux_ids: list[int], target_dir: Path, data_cfg: DataConfig) -> str:
+    """What decides the shards' content: samples, layers, target, dtype, shard size."""
+    payload = [samples_sha, aux_ids, _target_identity(target_dir), data_cfg.hidden_states_dtype, data_cfg.shard_size]
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def _token_stats(samples: list[dict]) -> dict:
+    tokens = {sp: sum(len(s["input_ids"]) for s in samples if s["split"] == sp) for sp in ("train", "validation")}
+    assistant = sum(sum(s["loss_mask"]) for s in samples)
+    total = sum(tokens.values())
+    return {
+        "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},
+        "num_tokens": tokens,
+        "num_assistant_tokens": assistant,
+        "loss_mask_fraction": assistant / total if total else 0.0,
+    }
+
+
+def _target_facts(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConfig) -> dict:
+    """Architecture, sizes and resolved layer ids from config.json; rejects impossible settings."""
+    config = json.loads((target_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    facts = {
+        "architecture": config["architectures"][0],
+        "num_hidden_layers": text["num_hidden_layers"],
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+    }
+    context = text.get("max_position_embeddings", data_cfg.max_length)
+    if data_cfg.max_length > context:
+        raise ValueError(
+            f"data.max_length={data_cfg.max_length} exceeds the target context (max_position_embeddings={context})"
+        )
+    if data_cfg.draft_vocab_size > facts["vocab_size"]:
+        raise ValueError(
+            f"data.draft_vocab_size={data_cfg.draft_vocab_size} exceeds the target vocab ({facts['vocab_size']})"
+        )
+    arch, layers = facts["architecture"], facts["num_hidden_layers"]
+    facts["hf_indices"] = aux_ids_to_hf_indices(arch, target_cfg.aux_layer_ids, layers)
+    facts["aux_layer_ids"] = target_cfg.aux_layer_ids or default_aux_layer_ids(arch, layers)
+    return facts
+
+
+def _log_disk_bound(facts: dict, data_cfg: DataConfig, log: LogFn) -> None:
+    """Upper bound of the dump before any work (every sample at max_length); the exact need
+    is known, and checked against free space, once the samples are tokenized."""
+    k, width = len(facts["hf_indices"]), STATE_DTYPES[data_cfg.hidden_states_dtype].itemsize
+    bound = estimate_hidden_state_bytes(data_cfg.num_samples * data_cfg.max_length, facts["hidden_size"], k, width)
+    log(
+        f"hidden states: at most {bound / 1e9:.3f} GB = {data_cfg.num_samples} samples x {data_cfg.max_length} "
+        f"tokens x ({k}+1) states x H={facts['hidden_size']} x {width} B"
+    )
+
+
+def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_info, out_dir: Path) -> dict:
+    """The JSON-able result of generate_dataset (no secrets)."""
+    dump = dump or {"bytes_total": 0, "bytes_written": 0, "estimate_bytes": 0, "shards_reused": 0}
+    return {
+        **_token_stats(samples),
+        "num_dropped": meta["dropped"],
+        "num_failed": len(meta.get("failed", [])),
+        **{k: facts[k] for k in ("architecture", "hidden_size", "aux_layer_ids", "hf_indices")},
+        "hidden_states": data_cfg.hidden_states,
+        "hidden_states_dtype": data_cfg.hidden_states_dtype,
+        "hidden_states_bytes": dump["bytes_total"],
+        "bytes_written": dump["bytes_written"],
+        "hidden_states_estimate_bytes": dump["estimate_bytes"],
+        "shards_reused": dump["shards_reused"],
+        "chat_template_sha256": chat_template_sha256(tokenizer),
+        "regeneration": regeneration_settings(data_cfg.regenerate),
+        "vocab": vocab_info,
+        "paths": {
+            "samples": str(out_dir / SAMPLES_FILE),
+            "vocab": str(out_dir / "vocab"),
+            "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states == "offline" else None,
+            "failed": str(out_dir / FAILED_FILE) if meta.get("failed") else None,
+        },
+    }
+
+
+def generate_dataset(
+    target_dir: Path,
+    target_cfg: TargetConfig,
+    data_cfg: DataConfig,
+    out_dir: Path,
+    on_progress: ProgressFn | None = None,
+    log: LogFn = print,
+    open_endpoints: OpenEndpoints | None = None,
+) -> dict:
+    """Prompts -> regenerated answers -> samples.jsonl -> vocab/ -> hidden_states/ (offline).
+
+    Args:
+        target_dir: HF dir of the target (the tiny target's build dir, or target.model_path).
+        target_cfg: aux layer ids and dtype of the target.
+        data_cfg: prompts, regeneration, sizes, storage mode.
+        out_dir: dataset directory (created; reruns resume or reuse what matches).
+        on_progress: (stage, done, total) with stages prompts, regenerate, tokenize,
+            vocab, hidden_states.
+        log: one-line messages (never contains the API key).
+        open_endpoints: starts the target's servers for data.regenerate.deploy (called only when
+            prompts are left to answer) and stops them when its context exits.
+    Returns:
+        JSON-able summary: counts, tokens, layer ids, bytes, template hash, settings, paths.
+    """
+    started = time.perf_counter()
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    progress = on_progress or _noop_progress
+    out_dir.mkdir(parents=True, exist_ok=True)
+    facts = _target_facts(target_dir, target_cfg, data_cfg)
+    if data_cfg.hidden_states == "offline":
+        _log_disk_bound(facts, data_cfg, log)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    stop_ids = turn_stop_ids(tokenizer, _generation_eos(target_dir))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded: dict = {}
+
+    def load_model():  # only when needed: http + online never loads the weights
+        if "model" not in loaded:
+            loaded["model"] = load_target(target_dir, target_cfg.dtype, device)[0]
+        return loaded["model"]
+
+    # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
+    with cpu_threads() if device == "cpu" else contextlib.nullcontext():
+        samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
+                                         open_endpoints)
+        vocab_info, dump = _vocab_and_states(
+            samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log
+        )
+    summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
+    return summary | {"wall_s": time.perf_counter() - started}
+
+
+def _vocab_and_states(samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log):
+    """Draft vocab from the train split, then the offline dump (None when online)."""
+    progress("vocab", 0, 1)
+    train = [s for s in samples if s["split"] == "train"]
+    _, vocab_info = build_or_load_draft_vocab(
+        [s["input_ids"] for s in train], [s["loss_mask"] for s in train], data_cfg.draft_vocab_size,
+        facts["vocab_size"], out_dir / "vocab",
+    )
+    progress("vocab", 1, 1)
+    dump = None
+    if data_cfg.hidden_states == "offline":
+        extractor = TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"])
+        fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, data_cfg)
+        dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress, log)
+    return vocab_info, dump
