@@ -113,6 +113,16 @@ class TargetConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Target dtype: auto = bfloat16 on CUDA, float32 on CPU."
     )
+    engine: Literal["hf", "sglang"] = Field(
+        "hf",
+        description="What computes the target's hidden states for the offline dump: `hf` = transformers in the "
+        "data stage's process (one device); `sglang` = SGLang's own model runner, in-process on the data host with "
+        "data.capture.tp ranks -- the engine that serves the target, its layer rule and kernels; the weights are "
+        "never loaded in transformers (Kimi-K2.5 int4 and any target past one GPU).",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the target's own modelling/tokenizer code (SGLang --trust-remote-code; transformers)."
+    )
 
     @model_validator(mode="after")
     def _hf_needs_path(self) -> TargetConfig:
@@ -193,8 +203,34 @@ class RegenerateConfig(StrictModel):
         return [self.endpoint] if self.endpoint else list(self.endpoints)
 
 
+class CaptureEngineConfig(StrictModel):
+    """SGLang's model runner as the capture engine (target.engine: sglang)."""
+
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks (GPUs) of the runner; tp > 1 needs CUDA.")
+    max_batch_tokens: int = Field(
+        16384, ge=64, le=10_000_000,
+        description="Tokens per capture forward = the runner's KV pool (--max-total-tokens); a batch of "
+        "data.capture_batch_size samples must fit, so no capture is ever chunked.",
+    )
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="SGLang --mem-fraction-static for the runner; None = SGLang's choice."
+    )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More SGLang launch flags for the runner, e.g. [--quantization, w4afp8] or [--ep-size, 8].",
+    )
+
+
 class DataConfig(StrictModel):
     """Prompts, regeneration, tokenization and hidden-state storage."""
+
+    host: str = Field(
+        "local",
+        min_length=1,
+        description="Where the data stage runs: `local` or a hosts[].name. Regeneration requests, tokenization, "
+        "the capture and the shards all stay on that machine (the hidden states never cross the orchestrator); "
+        "training reads them there (train.nodes: [the same host]).",
+    )
 
     prompts: str = Field(
         "builtin", min_length=1, description="`builtin` (prompts made from local text) or a .jsonl path."
@@ -223,6 +259,9 @@ class DataConfig(StrictModel):
     )
     capture_batch_size: int = Field(
         8, ge=1, le=4096, description="Samples per target forward when capturing hidden states."
+    )
+    capture: CaptureEngineConfig = Field(
+        default_factory=CaptureEngineConfig, description="SGLang's capture runner (target.engine: sglang)."
     )
 
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Install real SGLang 0.5.23 on a CPU-only machine, enough to import it and run its own
 # argument parsing and resolution (`prepare_server_args` + `resolve_once()`, used by
-# eagle3/serving/sglang_dryrun.py) and its benchmark client (`python -m sglang.bench_serving`).
+# eagle3/serving/sglang_dryrun.py), its benchmark client (`python -m sglang.bench_serving`) and
+# its model runner on the CPU (`SGLANG_USE_CPU_ENGINE=1`, tp 1: what eagle3/data/sglang_engine.py
+# captures hidden states with), plus what eagleops itself needs on a GPU host (its data, training
+# and reference-server modules), so the venv can stand in for a GPU host's Python in the tests.
 #
 # Usage: infra/install-sglang-cpu.sh VENV_DIR        (env: PYTHON=python3.11, default python3)
 #
@@ -38,8 +41,29 @@ IMPORT_NEEDS=(
     pyzmq tqdm IPython aiohttp "transformers==5.19.0" "tokenizers==0.23.2" dill
     "compressed-tensors==0.18.0" loguru gguf "sentencepiece==0.2.1" "apache-tvm-ffi==0.1.11"
     datasets "python-dateutil<3"
+    # the model runner's import-time needs (its parallel runtime, the engine entrypoints it imports)
+    uvicorn fastapi uvloop setproctitle "openai==2.8.0" einops partial_json_parser httpx
+    # eagleops on a GPU host: eagle3's data, training and reference-server modules
+    prometheus_client matplotlib safetensors psutil
 )
-STAMP_TEXT="${TORCH_SPECS[*]} $SGLANG_SPEC ${IMPORT_NEEDS[*]}"
+# SGLang's CUDA kernel package (sgl_kernel) has no CPU build on PyPI, and its memory-pool modules
+# import it at import time. On a machine without AMX every op used on the CPU dispatches to its
+# torch-native path, so an import stub whose every function raises is never on the compute path
+# (if one were, the run would fail, not compute something else).
+SGL_KERNEL_STUB='"""Import stub for the SGLang CUDA kernels on a CPU-only machine: every function raises."""
+
+
+def __getattr__(name):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError(f"sgl_kernel.{name}: the SGLang CUDA kernels are not installed on this machine")
+
+    missing.__name__ = name
+    return missing
+' 
+STAMP_TEXT="${TORCH_SPECS[*]} $SGLANG_SPEC ${IMPORT_NEEDS[*]} sgl_kernel-stub-1"
 STAMP="$VENV_DIR/.eagleops-sglang-cpu-installed"
 LOG="$VENV_DIR/install.log"
 
@@ -71,6 +95,9 @@ printf '%s\n' "${TORCH_SPECS[@]}" >"$CONSTRAINTS"
 step "torch and torchvision" "${PIP[@]}" "${TORCH_SPECS[@]}"
 step "sglang without its CUDA dependencies" "${PIP[@]}" --no-deps "$SGLANG_SPEC"
 step "sglang import-time needs" "${PIP[@]}" -c "$CONSTRAINTS" "${IMPORT_NEEDS[@]}"
+SITE=$("$VENV_DIR/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+mkdir -p "$SITE/sgl_kernel"
+printf '%s' "$SGL_KERNEL_STUB" >"$SITE/sgl_kernel/__init__.py"
 step "import check" "$VENV_DIR/bin/python" -c \
-    "import sglang.srt.server_args, sglang.srt.arg_groups.pipeline, sglang.bench_serving"
+    "import sglang.srt.server_args, sglang.srt.arg_groups.pipeline, sglang.bench_serving, sglang.benchmark.one_batch"
 echo "$STAMP_TEXT" >"$STAMP"

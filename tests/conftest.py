@@ -8,6 +8,7 @@ server (`sshd`, tests/sshd.py) are session-scoped and started only by tests that
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """Python of the CPU SGLang 0.5.23 venv (infra/install-sglang-cpu.sh), installed once per machine
+    (the installer is idempotent) under ~/.cache/eagleops/sglang-cpu-venv or $EAGLEOPS_SGLANG_VENV."""
+    venv = Path(os.environ.get("EAGLEOPS_SGLANG_VENV") or Path.home() / ".cache" / "eagleops" / "sglang-cpu-venv")
+    installer = REPO / "infra" / "install-sglang-cpu.sh"
+    proc = subprocess.run(["bash", str(installer), str(venv)], capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        pytest.skip(f"SGLang 0.5.23 CPU venv could not be installed at {venv} (needs PyPI; set "
+                    f"EAGLEOPS_SGLANG_VENV to an installed one): {proc.stderr.strip()[-1500:]}")
+    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,10 @@ Vocabulary used below, for a target with L decoder layers:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -255,6 +257,42 @@ def capture_hidden_states(
     return aux, out.last_hidden_state
 
 
+def _right_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ids with 0. -> input_ids, attention_mask [B, T]"""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _real_token_rows(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """Flat row indices of the real tokens of a right-padded [B, width] batch, in sample order.
+
+    Example: lengths [3, 1], width 3 -> [0, 1, 2, 3] (row 1 keeps only its first position).
+    """
+    return torch.cat([torch.arange(i * width, i * width + n) for i, n in enumerate(lengths)])
+
+
+class FeatureExtractor(Protocol):
+    """What the offline dump needs of a capture engine (HF in-process, or SGLang's model runner)."""
+
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    aux_layer_ids: list[int]
+    hf_indices: list[int]
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def capture_rows(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def engine_record(self) -> dict: ...
+
+
 class TargetFeatureExtractor:
     """Target features for online training: `(input_ids, attention_mask) -> (aux, last)`.
 
@@ -301,3 +339,21 @@ class TargetFeatureExtractor:
         return capture_hidden_states(
             self.model, input_ids.to(self.device), attention_mask.to(self.device), self.aux_layer_ids
         )
+
+    def capture_rows(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows -> their real tokens' states packed back to back: aux [n, k*H], last [n, H].
+
+        One right-padded forward; the real tokens are gathered on the target's device, so only
+        they ever leave it.
+        """
+        ids, mask = _right_pad(rows)
+        aux, last = self(ids, mask)  # [B, T, k*H], [B, T, H]
+        keep = _real_token_rows([len(r) for r in rows], ids.shape[1])
+        keep = (keep.pin_memory() if aux.device.type == "cuda" else keep).to(aux.device, non_blocking=True)
+        return aux.flatten(0, 1).index_select(0, keep), last.flatten(0, 1).index_select(0, keep)
+
+    def engine_record(self) -> dict:
+        """Which engine captured, for the shard manifest: transformers, its version, the indices hooked."""
+        import transformers
+
+        return {"name": "transformers", "version": transformers.__version__, "capture_indices": list(self.hf_indices)}

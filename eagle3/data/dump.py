@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import DataConfig
-from eagle3.data.capture import TargetFeatureExtractor
+from eagle3.data.capture import FeatureExtractor
 from eagle3.data.disk import _dump_bytes, check_disk_space
 from eagle3.data.files import LogFn, ProgressFn
 from eagle3.data.shards import (
@@ -31,25 +31,6 @@ from eagle3.data.shards import (
     _write_manifest,
     plan_shards,
 )
-
-
-def _right_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad ids with 0. -> input_ids, attention_mask [B, T]"""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids, mask
-
-
-def _real_token_rows(lengths: Sequence[int], width: int) -> torch.Tensor:
-    """Flat row indices of the real tokens of a right-padded [B, width] batch, in sample order.
-
-    Example: lengths [3, 1], width 3 -> [0, 1, 2, 3] (row 1 keeps only its first position).
-    """
-    return torch.cat([torch.arange(i * width, i * width + n) for i, n in enumerate(lengths)])
 
 
 class _HostCopier:
@@ -112,12 +93,14 @@ class _HostCopier:
             self._drain(slot)
 
 
-def capture_shard(extractor: TargetFeatureExtractor, members: list[dict], batch_size: int, dtype: torch.dtype) -> dict:
+def capture_shard(extractor: FeatureExtractor, members: list[dict], batch_size: int, dtype: torch.dtype) -> dict:
     """Hidden states of one shard's samples, packed back to back (see module docstring).
 
-    Per batch: one forward, the real tokens gathered on the device, converted to `dtype` there
-    ([n_real, k*H] and [n_real, H]), and one asynchronous copy of each into the shard's host
-    tensors (`_HostCopier`), so copying batch b overlaps the forward of batch b + 1.
+    Per batch: one forward of the extractor (`capture_rows`: the real tokens only, on its device),
+    converted to `dtype` there ([n_real, k*H] and [n_real, H]), and one asynchronous copy of each
+    into the shard's host tensors (`_HostCopier`), so copying batch b overlaps the forward of
+    batch b + 1. Any extractor with `capture_rows`, `hf_indices`, `hidden_size` and `device` works:
+    the HF engine's `TargetFeatureExtractor` or SGLang's (`eagle3.data.sglang_engine`).
     """
     lengths = [len(s["input_ids"]) for s in members]
     k, hidden = len(extractor.hf_indices), extractor.hidden_size
@@ -126,12 +109,9 @@ def capture_shard(extractor: TargetFeatureExtractor, members: list[dict], batch_
     copier, offset = _HostCopier(extractor.device), 0
     for b in range(0, len(members), batch_size):
         rows = [s["input_ids"] for s in members[b : b + batch_size]]
-        ids, mask = _right_pad(rows)
-        aux, last = extractor(ids, mask)  # [B, T, k*H], [B, T, H]
-        keep = _real_token_rows([len(r) for r in rows], ids.shape[1])
-        keep = (keep.pin_memory() if copier.cuda else keep).to(aux.device, non_blocking=True)
-        packed = [aux.flatten(0, 1).index_select(0, keep).to(dtype), last.flatten(0, 1).index_select(0, keep).to(dtype)]
-        n = keep.shape[0]
+        aux, last = extractor.capture_rows(rows)  # [n_real, k*H], [n_real, H] on the extractor's device
+        packed = [aux.to(dtype), last.to(dtype)]
+        n = aux.shape[0]
         copier.copy(packed, [aux_out[offset : offset + n], last_out[offset : offset + n]])
         offset += n
     copier.finish()
@@ -149,7 +129,7 @@ _SHARD_WRITERS = 2
 
 
 def dump_hidden_states(
-    extractor: TargetFeatureExtractor, samples: list[dict], directory: Path, data_cfg: DataConfig,
+    extractor: FeatureExtractor, samples: list[dict], directory: Path, data_cfg: DataConfig,
     fingerprint: str, progress: ProgressFn, log: LogFn,
 ) -> dict:
     """Write (or resume) the offline shards + manifest.json; returns a small summary.
@@ -179,7 +159,11 @@ def dump_hidden_states(
         _write_manifest(directory, manifest, [entries[n] for n, _ in plan if n in entries], complete=False)
         progress("hidden_states", counts["finished"], len(samples))
 
-    _capture_and_write(extractor, todo, directory, data_cfg.capture_batch_size, dtype, on_written)
+    try:
+        _capture_and_write(extractor, todo, directory, data_cfg.capture_batch_size, dtype, on_written)
+    except BaseException:  # e.g. a full disk: the other writer's finished temp file goes too (space freed)
+        _clear_stale(directory, set(entries))
+        raise
     _write_manifest(directory, manifest, [entries[n] for n, _ in plan], complete=True)
     total = sum(e["bytes"] for e in entries.values())
     return {"estimate_bytes": need, "bytes_written": counts["written"], "bytes_total": total,
@@ -187,7 +171,7 @@ def dump_hidden_states(
 
 
 def _capture_and_write(
-    extractor: TargetFeatureExtractor, todo: list[tuple[str, list[dict]]], directory: Path, batch_size: int,
+    extractor: FeatureExtractor, todo: list[tuple[str, list[dict]]], directory: Path, batch_size: int,
     dtype: torch.dtype, on_written: Callable[[str, list[dict], str, int], None],
 ) -> None:
     """Capture every shard of `todo` and write it on writer threads; `on_written(name, members,

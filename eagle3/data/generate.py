@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +45,8 @@ from eagle3.data.samples import (
     write_samples,
 )
 from eagle3.data.server_pool import FailureLog
+from eagle3.data.sglang_engine import SGLangFeatureExtractor
+from eagle3.data.sglang_engine import settings_for as sglang_settings
 from eagle3.data.shards import STATE_DTYPES
 from eagle3.data.target import load_target
 from eagle3.data.tiny_target import cpu_threads, heldout_corpus
@@ -177,9 +181,11 @@ def _prepare_samples(
     return samples, meta
 
 
-def _dump_fingerprint(samples_sha: str, aux_ids: list[int], target_dir: Path, data_cfg: DataConfig) -> str:
-    """What decides the shards' content: samples, layers, target, dtype, shard size."""
-    payload = [samples_sha, aux_ids, _target_identity(target_dir), data_cfg.hidden_states_dtype, data_cfg.shard_size]
+def _dump_fingerprint(samples_sha: str, aux_ids: list[int], target_dir: Path, target_cfg: TargetConfig,
+                      data_cfg: DataConfig) -> str:
+    """What decides the shards' content: samples, layers, target, engine, dtype, shard size."""
+    payload = [samples_sha, aux_ids, _target_identity(target_dir), data_cfg.hidden_states_dtype, data_cfg.shard_size,
+               target_cfg.engine]
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -288,28 +294,46 @@ def generate_dataset(
     facts = _target_facts(target_dir, target_cfg, data_cfg)
     if data_cfg.hidden_states == "offline":
         _log_disk_bound(facts, data_cfg, log)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=target_cfg.trust_remote_code)
     stop_ids = turn_stop_ids(tokenizer, _generation_eos(target_dir))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     loaded: dict = {}
 
-    def load_model():  # only when needed: http + online never loads the weights
+    def load_model():  # only when needed: http/sglang regeneration + online or engine sglang never loads it
+        if target_cfg.engine == "sglang":
+            raise ValueError("target.engine sglang: the target's weights are never loaded in transformers "
+                             "(data.regenerate.backend local and data.hidden_states online need them)")
         if "model" not in loaded:
             loaded["model"] = load_target(target_dir, target_cfg.dtype, device)[0]
         return loaded["model"]
+
+    def open_extractor() -> contextlib.AbstractContextManager:  # the capture engine, for the offline dump only
+        if target_cfg.engine == "sglang":
+            return _sglang_extractor(target_dir, target_cfg, data_cfg)
+        return contextlib.nullcontext(TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"]))
 
     # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
     with cpu_threads() if device == "cpu" else contextlib.nullcontext():
         samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
                                          open_endpoints)
         vocab_info, dump = _vocab_and_states(
-            samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log
+            samples, meta, facts, open_extractor, target_dir, target_cfg, data_cfg, out_dir, progress, log
         )
     summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
     return summary | {"wall_s": time.perf_counter() - started}
 
 
-def _vocab_and_states(samples, meta, facts, load_model, target_dir, data_cfg, out_dir, progress, log):
+def _sglang_extractor(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConfig) -> SGLangFeatureExtractor:
+    """SGLang's runner on this machine's GPUs (or its CPU engine), for the target's capture."""
+    capture = data_cfg.capture
+    return SGLangFeatureExtractor(sglang_settings(
+        target_dir, target_cfg.aux_layer_ids, tp=capture.tp, dtype=target_cfg.dtype,
+        max_batch_tokens=capture.max_batch_tokens, trust_remote_code=target_cfg.trust_remote_code,
+        extra_args=capture.extra_args, mem_fraction_static=capture.mem_fraction_static,
+    ))
+
+
+def _vocab_and_states(samples, meta, facts, open_extractor, target_dir, target_cfg, data_cfg, out_dir, progress, log):
     """Draft vocab from the train split, then the offline dump (None when online)."""
     progress("vocab", 0, 1)
     train = [s for s in samples if s["split"] == "train"]
@@ -320,7 +344,63 @@ def _vocab_and_states(samples, meta, facts, load_model, target_dir, data_cfg, ou
     progress("vocab", 1, 1)
     dump = None
     if data_cfg.hidden_states == "offline":
-        extractor = TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"])
-        fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, data_cfg)
-        dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress, log)
+        fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, target_cfg, data_cfg)
+        with open_extractor() as extractor:
+            dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress,
+                                      log)
     return vocab_info, dump
+
+
+# --------------------------------------------------------------------------- command line (the data host's entry)
+
+SUMMARY_FILE = "summary.json"
+API_KEY_ENV = "EAGLEOPS_REGENERATE_API_KEY"  # the regeneration key travels in the environment, never in argv
+
+
+def _emit(event: str, **fields) -> None:
+    """One JSON line on stdout: what the orchestrator relays (progress, log lines, the outcome)."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def _configs(path: Path) -> tuple[TargetConfig, DataConfig]:
+    raw = json.loads(path.read_text())
+    data = raw["data"]
+    if os.environ.get(API_KEY_ENV):
+        data["regenerate"]["api_key"] = os.environ[API_KEY_ENV]
+    return TargetConfig.model_validate(raw["target"]), DataConfig.model_validate(data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3.data.generate --target-dir T --out-dir O --config C.json [--endpoint URL ...]
+    [--samples-only]`: the data stage where the target is (data.host). Progress, log lines and the
+    outcome are JSON lines on stdout; the summary is also written to O/summary.json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="eagle3.data.generate", description=main.__doc__)
+    parser.add_argument("--target-dir", required=True)
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--config", required=True, help="JSON with the target and data config sections")
+    parser.add_argument("--endpoint", action="append", default=[], help="a regeneration server's base URL")
+    parser.add_argument("--samples-only", action="store_true", help="stop after samples and vocab (no capture)")
+    args = parser.parse_args(argv)
+    target_cfg, data_cfg = _configs(Path(args.config))
+    if args.samples_only:
+        data_cfg = data_cfg.model_copy(update={"hidden_states": "online"})
+    urls = list(args.endpoint)
+    try:
+        summary = generate_dataset(
+            Path(args.target_dir), target_cfg, data_cfg, Path(args.out_dir),
+            on_progress=lambda stage, done, total: _emit("progress", stage=stage, done=done, total=total),
+            log=lambda message: _emit("log", message=message),
+            open_endpoints=(lambda: contextlib.nullcontext(urls)) if urls else None,
+        )
+    except (ValueError, OSError, RuntimeError) as exc:
+        _emit("error", message=f"{type(exc).__name__}: {exc}")
+        raise
+    atomic_write_text(Path(args.out_dir) / SUMMARY_FILE, json.dumps(summary, indent=2))
+    _emit("done", summary=SUMMARY_FILE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

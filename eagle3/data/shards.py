@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from eagle3.config import DataConfig
-from eagle3.data.capture import TargetFeatureExtractor
-from eagle3.data.files import atomic_write_text, file_sha256
+from eagle3.data.capture import FeatureExtractor
+from eagle3.data.files import atomic_write_text, file_sha256, removed_on_failure
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -79,10 +79,12 @@ def _write_hidden_shard(tensors: dict, path: Path) -> tuple[str, int]:
     The sha256 is of the bytes as they are written (no second read of the file). Block i is
     hashed on a second thread while it is written, so a shard costs max(hash, write) time, not
     their sum (sha256 ~0.5 s/GB: alone it is about as slow as an 8B target's forward makes
-    states). Both release the GIL, so this also runs beside the next shard's capture.
+    states). Both release the GIL, so this also runs beside the next shard's capture. A failed
+    write (a full disk) removes the temp file and names the shard in its error.
     """
     digest, size = hashlib.sha256(), 0
-    with _temp_name(path).open("wb") as fh, ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash") as hasher:
+    with removed_on_failure(_temp_name(path), path), _temp_name(path).open("wb") as fh, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash") as hasher:
         hashed = None
         for block in _safetensors_blocks(tensors):
             if hashed is not None:
@@ -131,8 +133,10 @@ def _shard_entry(name: str, members: list[dict], digest: str, size: int) -> dict
 
 
 def _manifest_header(
-    extractor: TargetFeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]
+    extractor: FeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]
 ) -> dict:
+    """What the shards hold and how they were made: the engine that captured (its name, version and
+    the capture indices it actually hooked) is checked by training and by the deploy preflight."""
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
@@ -142,6 +146,7 @@ def _manifest_header(
         "aux_layer_ids": extractor.aux_layer_ids,
         "hf_indices": extractor.hf_indices,
         "num_aux": len(extractor.hf_indices),
+        "engine": extractor.engine_record(),
         "dtype": data_cfg.hidden_states_dtype,
         "max_length": data_cfg.max_length,
         "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},

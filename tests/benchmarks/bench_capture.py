@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 from eagle3.config import DataConfig  # noqa: E402
 from eagle3.data.capture import TargetFeatureExtractor, capture_hidden_states  # noqa: E402
 from eagle3.data.datasets import HiddenStateDataset
-from eagle3.data.dump import _right_pad, capture_shard, dump_hidden_states
+from eagle3.data.capture import _right_pad
+from eagle3.data.dump import capture_shard, dump_hidden_states
 from eagle3.data.shards import plan_shards  # noqa: E402
 from eagle3.environment import hidden_state_bytes  # noqa: E402
 

@@ -1,8 +1,7 @@
 """The real SGLang 0.5.23 as the oracle for eagleops' copy of its speculative rules.
 
-A session fixture installs SGLang into a CPU venv with infra/install-sglang-cpu.sh (cached
-under ~/.cache/eagleops/sglang-cpu-venv, or $EAGLEOPS_SGLANG_VENV; skipped with the
-installer's message when it cannot install). Then one python process of that venv runs
+The session fixture `sglang_python` (tests/conftest.py) installs SGLang into a CPU venv with
+infra/install-sglang-cpu.sh. Then one python process of that venv runs
 eagle3/serving/sglang_dryrun.py, piped on stdin exactly as the deploy preflight pipes it over SSH,
 over a table of launch settings (SGLang's imports, ~15 s, are paid once), and each row's
 answer must match `eagle3.serving.sglang_args.resolve_speculative_args` through `compare_dry_run`.
@@ -29,8 +28,6 @@ from eagle3.serving.sglang_dryrun import compare_dry_run
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "eagle3" / "serving" / "sglang_dryrun.py"
-INSTALLER = REPO / "infra" / "install-sglang-cpu.sh"
-VENV_ENV = "EAGLEOPS_SGLANG_VENV"
 
 LLAMA_TARGET = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
@@ -108,17 +105,6 @@ CASES = [
 ALGORITHM = {"nextn-alias": "NEXTN", "standalone-window": "STANDALONE", "standalone-mixed-chunk": "STANDALONE",
              "eagle-window": "EAGLE", "block-verification-standalone": "STANDALONE", "unknown-algorithm": "FOO",
              "lower-case-algorithm": "eagle3"}
-
-
-@pytest.fixture(scope="session")
-def sglang_python() -> Path:
-    """Python of the CPU SGLang venv, installed once per machine (the installer is idempotent)."""
-    venv = Path(os.environ.get(VENV_ENV) or Path.home() / ".cache" / "eagleops" / "sglang-cpu-venv")
-    proc = subprocess.run(["bash", str(INSTALLER), str(venv)], capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        pytest.skip(f"SGLang 0.5.23 CPU venv could not be installed at {venv} (needs PyPI; set {VENV_ENV} to an "
-                    f"installed one): {proc.stderr.strip()[-1500:]}")
-    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="session")
