@@ -9,9 +9,14 @@ stays usable from a notebook.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # hosts[].name, and every field that names a host
+MAX_SEED = 2**32 - 1  # the widest seed every RNG here takes (torch, random, numpy)
+URL_PATTERN = r"^https?://[^\s/@]+(@[^\s/@]+)?(/\S*)?$"  # no spaces or newlines: they would reach a request line
+HostName = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
 class StrictModel(BaseModel):
@@ -54,7 +59,7 @@ class TinyTargetConfig(StrictModel):
     )
     seq_len: int = Field(256, ge=16, le=8192, description="Tokens per training sequence of the tiny target.")
     lr: float = Field(6e-3, gt=0, le=1, description="Peak learning rate of the tiny target (warmup 5%, cosine to 10%).")
-    seed: int = Field(0, ge=0, description="Seed for the tiny target's tokenizer and weights.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for the tiny target's tokenizer and weights.")
     chat_fraction: float = Field(
         0.5, ge=0, le=1, description="Share of each batch that is chat-formatted (snippet prompt -> its continuation)."
     )
@@ -130,6 +135,17 @@ class TargetConfig(StrictModel):
             raise ValueError("target.model_path is required when target.kind is 'hf'")
         if self.aux_layer_ids is not None and any(i < -1 for i in self.aux_layer_ids):
             raise ValueError("target.aux_layer_ids: ids must be >= -1 (-1 = the embeddings)")
+        ids = self.aux_layer_ids or []
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(f"target.aux_layer_ids {ids}: {repeated} repeated; each id names another layer")
+        if ids and self.kind == "tiny" and max(ids) > self.tiny.num_hidden_layers - 2:
+            raise ValueError(f"target.aux_layer_ids {ids}: id {max(ids)} is past the tiny target's layers: a Llama id k "
+                             f"is layer k's output, so with target.tiny.num_hidden_layers {self.tiny.num_hidden_layers} "
+                             f"the ids go up to {self.tiny.num_hidden_layers - 2}")
+        if ids and self.shape is not None and max(ids) > self.shape.num_hidden_layers:
+            raise ValueError(f"target.aux_layer_ids {ids}: id {max(ids)} is past the target's "
+                             f"target.shape.num_hidden_layers {self.shape.num_hidden_layers}")
         return self
 
 
@@ -140,7 +156,7 @@ class RegenerationServersConfig(StrictModel):
     """Servers of the target the data stage starts for regeneration and stops when it is done."""
 
     servers: int = Field(1, ge=1, le=256, description="Baseline servers (no draft) of the target to start.")
-    host: str = Field("local", min_length=1, description="`local` or a hosts[].name to start them on.")
+    host: str = Field("local", pattern=NAME_PATTERN, description="`local` or a hosts[].name to start them on.")
 
 
 class RegenerateConfig(StrictModel):
@@ -152,8 +168,9 @@ class RegenerateConfig(StrictModel):
         description="`local`: HF generate in-process; `http`: an OpenAI-compatible chat endpoint (text only, "
         "re-tokenized); `sglang`: SGLang's native /generate with token ids in and the target's own ids kept.",
     )
-    endpoint: str | None = Field(None, description="Base URL of one server (backend http or sglang).")
-    endpoints: list[str] = Field(
+    endpoint: str | None = Field(None, pattern=URL_PATTERN, description="Base URL of one server (backend http or "
+                                 "sglang).")
+    endpoints: list[Annotated[str, Field(pattern=URL_PATTERN)]] = Field(
         default_factory=list, description="Base URLs of several servers of the target (backend http or sglang)."
     )
     deploy: RegenerationServersConfig | None = Field(
@@ -226,7 +243,7 @@ class DataConfig(StrictModel):
 
     host: str = Field(
         "local",
-        min_length=1,
+        pattern=NAME_PATTERN,
         description="Where the data stage runs: `local` or a hosts[].name. Regeneration requests, tokenization, "
         "the capture and the shards all stay on that machine (the hidden states never cross the orchestrator); "
         "training reads them there (train.nodes: [the same host]).",
@@ -253,9 +270,11 @@ class DataConfig(StrictModel):
     draft_vocab_size: int = Field(
         512, ge=2, le=1_000_000, description="Draft vocabulary (top-N assistant tokens); <= target vocab."
     )
-    seed: int = Field(0, ge=0, description="Seed for prompt sampling and splits.")
-    hidden_states_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="Dtype of the offline hidden-state dump (2 bytes/value for bf16/fp16)."
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for prompt sampling and splits.")
+    hidden_states_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3"] = Field(
+        "bfloat16", description="Dtype of the offline hidden-state dump (2 bytes/value for bf16/fp16). "
+        "`float8_e4m3` (opt-in): the aux states as e4m3 with one fp32 scale per token and 128 values of a "
+        "layer, the last state (the teacher's input) in bf16; 0.64x the bytes of bf16 (eagle3/data/state_codec.py).",
     )
     capture_batch_size: int = Field(
         8, ge=1, le=4096, description="Samples per target forward when capturing hidden states."
@@ -300,12 +319,12 @@ class TrainConfig(StrictModel):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine floor as a fraction of lr.")
     grad_clip: float = Field(0.5, gt=0, le=1e6, description="Max global grad norm.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, fp32 on CPU.")
-    seed: int = Field(0, ge=0, description="Seed for init, shuffling and dropout.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for init, shuffling and dropout.")
     checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
     eval_every: int = Field(200, ge=1, description="Optimizer steps between validation passes.")
     log_every: int = Field(10, ge=1, description="Optimizer steps between metric reports.")
     devices: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per node, launched with torchrun when > 1.")
-    nodes: list[str] = Field(
+    nodes: list[HostName] = Field(
         default_factory=list,
         description="Machines to train on, one torchrun node each with `devices` ranks: hosts[].name entries "
         "(reached over SSH) or `local`. Empty = this machine, as a single process or one `--standalone` node.",
@@ -314,7 +333,15 @@ class TrainConfig(StrictModel):
         None,
         pattern=r"^[^\s:]+:\d{1,5}$",
         description="address:port where node 0 hosts torchrun's store, reachable from every node; default: node "
-        "0's inventory address (127.0.0.1 for `local`) and port 29500.",
+        "0's inventory address and port 29500; for a `local` node 0, the address the remote nodes' SSH servers see "
+        "this machine connect from (127.0.0.1 when every node is local).",
+    )
+    stall_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        le=7 * 86400,
+        description="With train.nodes: fail the stage when, for this long, no node's log grew and no metrics row "
+        "came while the launchers still run (a hung rank or rendezvous); the error names the node silent longest.",
     )
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-device strategy.")
     attention: Literal["fast", "dense"] = Field(
@@ -352,6 +379,8 @@ class TrainConfig(StrictModel):
     def _betas_in_range(self) -> TrainConfig:
         if not all(0 <= b < 1 for b in self.betas):
             raise ValueError("train.betas: each beta must be in [0, 1)")
+        if self.rendezvous and not 1 <= int(self.rendezvous.rsplit(":", 1)[1]) <= 65535:
+            raise ValueError(f"train.rendezvous {self.rendezvous}: the port must be between 1 and 65535")
         return self
 
 

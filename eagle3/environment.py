@@ -369,12 +369,34 @@ def check_disk(facts: Facts, needs: Needs) -> Check:
     return Check("disk", "ok", text, details)
 
 
-def hidden_state_bytes(num_tokens: int, hidden_size: int, num_aux: int = 3, dtype_bytes: int = 2) -> int:
+def hidden_state_bytes(num_tokens: int, hidden_size: int, num_aux: int = 3, dtype_bytes: int = 2,
+                       dtype: str | None = None) -> int:
     """Offline dump size: tokens x (num_aux aux states + 1 last state) x H x bytes.
 
-    Example: 1M tokens of an H=4096 target, 3 aux, bf16 -> 1e6 * 4 * 4096 * 2 = 32.8 GB.
+    `dtype` (a `data.hidden_states_dtype` name) overrides dtype_bytes: "float8_e4m3" stores the
+    aux states in 1 B per value plus a 4 B scale per `fp8_scale_block(H)` values, the last state
+    in bf16 (eagle3/data/state_codec.py).
+    Example: 1M tokens of an H=4096 target, 3 aux, bf16 -> 1e6 * 4 * 4096 * 2 = 32.8 GB; float8_e4m3
+    -> 1e6 * (3 * (4096 + 32 * 4) + 4096 * 2) = 20.9 GB.
     """
+    if dtype == "float8_e4m3":
+        scales = hidden_size // fp8_scale_block(hidden_size)
+        return num_tokens * (num_aux * (hidden_size + 4 * scales) + 2 * hidden_size)
+    if dtype is not None:
+        dtype_bytes = HIDDEN_STATE_DTYPE_BYTES[dtype]
     return num_tokens * (num_aux + 1) * hidden_size * dtype_bytes
+
+
+# bytes per stored value of each `data.hidden_states_dtype` (float8_e4m3: the aux states; see hidden_state_bytes)
+HIDDEN_STATE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
+FP8_SCALE_BLOCK = 128  # values per fp8 scale (DeepSeek-V3's 1 x 128 activation tiles)
+
+
+def fp8_scale_block(hidden_size: int) -> int:
+    """Values per fp8 scale for a target of width H: FP8_SCALE_BLOCK when it divides H, else their gcd."""
+    import math
+
+    return math.gcd(hidden_size, FP8_SCALE_BLOCK)
 
 
 def _version(text: str) -> tuple[int, ...]:

@@ -524,7 +524,8 @@ def check_serving_wiring(draft_dir: Path, target_config: dict, record: dict | No
         fed = sglang_layers_to_capture(arch, list(ids) if ids is not None else None, layers)
     except ValueError as err:
         return problems + [Problem("layer_rule", f"cannot tell which layers SGLang feeds: {err}")]
-    trained = list(record.get("hf_indices", []))
+    # what the capture engine actually hooked (the shards' manifest), else what the data stage asked for
+    trained = list((record.get("capture_engine") or {}).get("capture_indices") or record.get("hf_indices", []))
     if fed != trained:
         problems.append(Problem("layer_mismatch", f"the draft was trained on {describe_hf_indices(trained)} "
                                 f"(HF hidden_states {trained}) but SGLang will feed {describe_hf_indices(fed)} "

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 
 # Telemetry off before Prefect or MLflow is imported (DO_NOT_TRACK covers Prefect's client,
 # PREFECT_SERVER_ANALYTICS_ENABLED its ephemeral server, MLFLOW_DISABLE_TELEMETRY MLflow).
@@ -27,7 +28,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, masked_yaml  # noqa: E402
+from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, load_variants, masked_yaml  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 draft pipeline: data, training, export, SGLang deploy, benchmark.")
 out = Console()
@@ -51,9 +52,15 @@ def main(
     """eagleops."""
 
 
+def _say(label: str, style: str, message: str) -> None:
+    """`label message` on stderr, the message as written: brackets in it (a regex, a user's string) are text,
+    never Rich markup."""
+    err.print(Text.assemble((label, style), " ", message), highlight=False, soft_wrap=True)
+
+
 def _fail_config(error: ConfigError) -> None:
     for message in error.messages:
-        err.print(f"[red]error[/red] {message}", highlight=False, markup=True, soft_wrap=True)
+        _say("error", "red", message)
     raise typer.Exit(BAD_INPUT)
 
 
@@ -63,28 +70,31 @@ def validate(config: Path = typer.Argument(..., help="Experiment or sweep YAML."
     then check its SGLang launch flags: what SGLang would refuse is an error, what it would rewrite
     is an error unless deploy.speculative.allow_adjustments is set."""
     try:
-        variants = load_sweep(config) if is_sweep(config) else [(None, load_experiment(config))]
+        variants = load_variants(config)
     except ConfigError as error:
         _fail_config(error)
     errors = 0
-    for name, cfg in variants:
+    for index, (name, cfg) in enumerate(variants):
         if name:
             out.rule(name)
         out.print(Syntax(masked_yaml(cfg), "yaml"))
-        errors += _print_launch_findings(config, name, cfg)
+        errors += _print_launch_findings(config, index if name else None, name, cfg)
     if errors:
         raise typer.Exit(BAD_INPUT)
-    err.print(f"[green]ok[/green] {config}")
+    _say("ok", "green", str(config))
 
 
-def _print_launch_findings(config: Path, variant: str | None, cfg) -> int:
+def _print_launch_findings(config: Path, index: int | None, variant: str | None, cfg) -> int:
+    """Each finding as `file:line: [variant: ]field: check: message`, at the line that sets the field."""
+    from tasks.config import field_location
     from tasks.launch import validate_launch
 
-    where = f"{config}" + (f" ({variant})" if variant else "")
     findings = validate_launch(cfg)
-    style = {"error": "[red]error[/red]", "warning": "[yellow]warning[/yellow]", "info": "[dim]info[/dim]"}
+    style = {"error": "red", "warning": "yellow", "info": "dim"}
     for finding in findings:
-        err.print(f"{style[finding.level]} {where}: {finding.line()}", highlight=False, soft_wrap=True)
+        where = field_location(config, finding.field, index) if finding.field else str(config)
+        about = "".join(f"{part}: " for part in (variant, finding.field) if part)
+        _say(finding.level, style[finding.level], f"{where}: {about}{finding.line()}")
     return sum(f.level == "error" for f in findings)
 
 
@@ -96,20 +106,20 @@ def run(
     variant: Optional[int] = typer.Option(None, help="For a sweep file: run only this grid point (default: all)."),
 ) -> None:
     """Run the experiment flow (ephemeral Prefect unless PREFECT_API_URL points at a server)."""
+    try:  # a bad config is answered before Prefect is even imported (seconds on a small machine)
+        variants = _variants(config, variant)
+    except ConfigError as error:
+        _fail_config(error)
     from tasks.pipeline import STAGES
 
     selected = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
     unknown = sorted(set(selected or []) - set(STAGES))
     if unknown:
-        err.print(f"[red]error[/red] --stages: unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+        _say("error", "red", f"--stages: unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
         raise typer.Exit(BAD_INPUT)
     if run_dir is not None and not (run_dir / "manifest.json").is_file():
-        err.print(f"[red]error[/red] --run-dir: {run_dir} is not a run directory (no manifest.json)")
+        _say("error", "red", f"--run-dir: {run_dir} is not a run directory (no manifest.json)")
         raise typer.Exit(BAD_INPUT)
-    try:
-        variants = _variants(config, variant)
-    except ConfigError as error:
-        _fail_config(error)
     if run_dir is not None and len(variants) > 1:
         err.print("[red]error[/red] --run-dir resumes one run: pick a sweep grid point with --variant")
         raise typer.Exit(BAD_INPUT)
@@ -128,9 +138,25 @@ def _exit_interrupted(config: Path, variant: int | None, stop: KeyboardInterrupt
         err.print(f"interrupted ({signal_name}) before the run started; nothing was recorded", highlight=False)
         raise typer.Exit(code)
     where = f"during {pipeline.current_stage}" if pipeline.current_stage else "between stages"
-    again = f"eagleops run {config} --run-dir {pipeline.run.path}" + (f" --variant {variant}" if variant is not None else "")
+    again = _resume_command(config, variant, pipeline.run.path)
     err.print(f"interrupted ({signal_name}) {where}; resume with: {again}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _resume_command(config: Path, variant: int | None, run_dir: Path) -> str:
+    return f"eagleops run {config} --run-dir {run_dir}" + (f" --variant {variant}" if variant is not None else "")
+
+
+def _disk_full_line(config: Path, variant: int | None, full: BaseException) -> str:
+    """One line: the stage, what filled, where, what is free, and the command that resumes once space is freed."""
+    from tasks.pipeline import DiskFull
+
+    if isinstance(full, DiskFull):
+        again = _resume_command(config, variant, full.run_dir)
+        return f"[red]disk full[/red] during {full.stage}: {full.detail}; free space, then resume with: {again}"
+    from tasks.diskspace import describe_disk_full, disk_full_error
+
+    return f"[red]disk full[/red] {describe_disk_full(disk_full_error(full), Path.cwd())}; free space and run again"
 
 
 def _variants(config: Path, variant: int | None) -> list[int | None]:
@@ -147,7 +173,8 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
     from flows.experiment import eagle3_experiment
     from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
-    from tasks.pipeline import Pipeline, SelectionError, StageFailed
+    from tasks.diskspace import disk_full_error
+    from tasks.pipeline import DiskFull, Pipeline, SelectionError, StageFailed
     from tasks.secrets import redact
 
     Pipeline.active = None
@@ -161,12 +188,20 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
     except SelectionError as error:
         err.print(f"[red]error[/red] --stages: {redact(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(BAD_INPUT)
+    except DiskFull as full:
+        err.print(redact(_disk_full_line(config, variant, full)), highlight=False, soft_wrap=True)
+        raise typer.Exit(STAGE_FAILED)
     except StageFailed as failure:
         err.print(f"[red]stage failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
     except ValueError as error:  # bad --run-dir contents, unknown stage
         err.print(f"[red]error[/red] {redact(str(error))}", highlight=False, soft_wrap=True)
         raise typer.Exit(BAD_INPUT)
+    except OSError as error:  # the disk filled outside a stage (the run folder's first files)
+        if disk_full_error(error) is None:
+            raise
+        err.print(redact(_disk_full_line(config, variant, error)), highlight=False, soft_wrap=True)
+        raise typer.Exit(STAGE_FAILED)
     table = Table(title=f"{config} -> {result['run_dir']}")
     table.add_column("stage")
     table.add_column("status")
@@ -190,7 +225,7 @@ def _print_benchmark(bench: dict) -> None:
         speedup = r["tok_s_median"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None
         expected = offline.get(r["setting"], {}).get("expected_accept_length")
         table.add_row(r["setting"], str(r["concurrency"]), f"{r['tok_s_median']:.1f}",
-                      f"{speedup:.2f}x" if speedup else "-",
+                      f"{speedup:.2f}x" if speedup else "unknown" if r["speculative"] else "-",
                       f"{r['decode_accept_length']:.2f}" if r["decode_accept_length"] else "-",
                       f"{expected:.2f}" if expected else "-")
     out.print(table)
@@ -237,14 +272,14 @@ def sync(
     """Upload what a run recorded while its MLflow server was unreachable (runs, params, metrics, tags,
     artifacts, statuses), in order; placeholder run ids in the manifest become the real ones.
     A second sync uploads nothing. Exit 1 when the server does not answer or refused entries."""
-    from tasks.rundir import MANIFEST
+    from tasks.rundir import MANIFEST, RunDirectory
     from tasks.tracking import TrackingUnavailable, sync_journal
 
     manifest_path = run_dir / MANIFEST
     if not manifest_path.is_file():
         err.print(f"[red]error[/red] {run_dir} is not a run directory (no {MANIFEST})")
         raise typer.Exit(BAD_INPUT)
-    uri = tracking_uri or json.loads(manifest_path.read_text()).get("mlflow", {}).get("tracking_uri")
+    uri = tracking_uri or RunDirectory.open(run_dir).manifest.get("mlflow", {}).get("tracking_uri")  # where it is now
     if not uri:
         err.print(f"[red]error[/red] {manifest_path} records no MLflow tracking URI: pass --tracking-uri")
         raise typer.Exit(BAD_INPUT)
@@ -381,23 +416,50 @@ def hosts_trust(
 
 
 @app.command()
-def teardown(run_dir: Path = typer.Argument(..., help="Run folder whose servers to stop.")) -> None:
-    """Stop every server a run started that is still recorded as running (servers.json), by hand."""
-    from tasks.deploy import teardown_run
+def teardown(
+    run_dir: Path = typer.Argument(..., help="Run folder whose servers to stop."),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="Experiment YAML with the hosts inventory; default: the config file the run "
+        "was started with, else the run folder's own config.yaml."),
+) -> None:
+    """Stop every server a run started that is still recorded as running (servers.json), by hand.
+    Exit 1 when some could not be stopped (their host does not answer): each is named."""
+    from tasks.deploy import teardown_run, unstopped_servers
 
     manifest = run_dir / "manifest.json"
     if not manifest.is_file():
         err.print(f"[red]error[/red] {run_dir}: not a run directory (no manifest.json)")
         raise typer.Exit(BAD_INPUT)
-    config_path = json.loads(manifest.read_text()).get("config_path")
-    cfg = None
-    if config_path and Path(config_path).is_file():
-        try:
-            cfg = load_experiment(config_path)
-        except ConfigError:
-            cfg = None  # local servers can still be stopped; SSH hosts need the inventory
+    try:
+        cfg = _teardown_config(run_dir, config)
+    except ConfigError as error:
+        _fail_config(error)
     stopped = teardown_run(run_dir, cfg)
-    out.print("\n".join(f"stopped {s}" for s in stopped) or "no running server recorded for this run")
+    left = unstopped_servers(run_dir)
+    if stopped or not left:
+        out.print("\n".join(f"stopped {s}" for s in stopped) or "no running server recorded for this run")
+    if left:
+        _say("error", "red", "still recorded as running (see the warnings above): " + ", ".join(left))
+        raise typer.Exit(STAGE_FAILED)
+
+
+def _teardown_config(run_dir: Path, config: Path | None):
+    """The hosts inventory: --config; else the config file the run started with (recorded absolute, so any
+    working directory finds it); else, when that moved or no longer loads, the copy the run folder keeps
+    (`config.yaml`, secrets masked: a passphrase-protected key then needs --config). None when nothing
+    loads: local servers can still be stopped, SSH hosts need the inventory."""
+    from tasks.rundir import RunDirectory
+
+    if config is not None:
+        return load_experiment(config)
+    recorded = RunDirectory.open(run_dir).manifest.get("config_path")
+    for candidate in ([Path(recorded)] if recorded else []) + [run_dir / "config.yaml"]:
+        if candidate.is_file():
+            try:
+                return load_experiment(candidate)
+            except ConfigError:
+                continue  # a sweep file (no variant recorded) or an edited config: try the next one
+    return None
 
 
 COMPARE_METRICS = ("run_benchmark.baseline_tok_s", "run_benchmark.best_tok_s", "run_benchmark.speedup",
@@ -430,9 +492,10 @@ def compare(
 
 
 def _parent_of(run: str, tracking_uri: str | None) -> tuple[str, str]:
-    manifest = Path(run) / "manifest.json"
-    if manifest.is_file():
-        recorded = json.loads(manifest.read_text()).get("mlflow", {})
+    if (Path(run) / "manifest.json").is_file():
+        from tasks.rundir import RunDirectory
+
+        recorded = RunDirectory.open(run).manifest.get("mlflow", {})  # the store where the folder is now
         return tracking_uri or recorded["tracking_uri"], recorded["parent_run_id"]
     from tasks.tracking import default_tracking_uri
 

@@ -1,7 +1,8 @@
 """The nightly retrain: a new draft, and the champion gate in the MLflow Model Registry.
 
     fetch_champion -> eagle3_experiment (data -> train -> export; the export registers the challenger)
-                   -> champion_gate (champion, then challenger, served and benched alike on one host)
+                   -> champion_gate (champion and challenger served and benched alike on one host,
+                      interleaved over nightly.rounds; promoted on the gain's lower confidence bound)
                    -> promote_or_keep (alias `champion` moves, the old one kept as `previous`; or the
                       refusal and its reason are recorded) -> the gate's table as a Prefect artifact
 
@@ -44,7 +45,7 @@ def nightly_retrain(config_path: str, run_dir: str | None = None) -> dict:
     train_path, variant = training_config(cfg, config_path, champion, run_dir)
     experiment = eagle3_experiment(train_path, stages=TRAINING_STAGES, run_dir=run_dir, variant=variant)
     challenger = challenger_version(cfg, experiment)
-    # 3. champion then challenger: same host, setting, prompts and runs; decided by the nightly.* margins
+    # 3. champion and challenger interleaved: same host, setting, prompts and runs; the nightly.* margins by bounds
     gate = champion_gate(cfg, experiment, champion, challenger, str(flow_run.id))
     # 4. the registry: promote (champion moves, previous kept) or keep, the reason recorded either way
     outcome = promote_or_keep(tracking_uri_for(cfg), name, challenger, champion["version"] if champion else None,

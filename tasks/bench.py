@@ -6,14 +6,18 @@ TTFT, ITL, accept length per request from meta_info), the server's own figures (
 /metrics, its decode log lines) compared with the client's, and the draft's offline figures
 beside them (the simulated accept length from training, truncated to the setting's depth, and
 the reference decoder's accept length on the same prompts when the target is here). Sweeps
-launch one server per setting through the deploy stage's `launch`; a setting the server would
-rewrite is run and reported under its effective values. `tasks.diagnose` explains a setting that
-is not faster than the baseline or whose online accept length falls short of the offline one.
+launch one server per setting through the deploy stage's `launch`, each setting preflighted
+against the served model and, where SGLang serves, resolved by SGLang in one batched dry run
+before any sweep server starts; a setting the server would rewrite is run and reported under
+what the server reports it runs. `deploy.baseline: false` measures no baseline (speedups are
+then unknown). `tasks.diagnose` explains a setting that is not faster than the baseline or
+whose online accept length falls short of the offline one, from what the servers report and
+the served model's files (`tasks.served`). `bench.min_speedup` fails the stage, after
+everything is recorded, when the best speedup is below it.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +38,24 @@ from eagle3.serving.sglang_client import (
     run_benchmark as run_rounds,
 )
 from tasks.config import ExperimentConfig, SpeculativeConfig
+from tasks.data import recorded_target_dir
 from tasks.deploy import (
     Placement,
     ServerHandle,
+    dry_run_findings,
     executor_of,
     launch,
     live_handles,
     log_tail,
     preflight,
     report_findings,
+    served_model_reported,
     setting_label,
+    sglang_dry_run_batch,
     stop,
 )
 from tasks.diagnose import diagnose, expected_accept_length
+from tasks.launch import launch_args
 from tasks.pipeline import StageContext, logger
 from tasks.report_bench import log_bench_report
 
@@ -120,7 +129,8 @@ def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_lo
     tok_s = summary.get("output_tok_per_s", {})
     return {
         "setting": label, "speculative": handle.speculative, "concurrency": concurrency,
-        "asked": handle.asked, "effective": handle.effective,
+        "asked": handle.asked, "effective": handle.effective, "predicted": handle.predicted,
+        "settings_source": handle.settings_source, "allow_adjustments": handle.allow_adjustments,
         "tok_s_min": tok_s.get("min"), "tok_s_median": tok_s.get("median"), "tok_s_max": tok_s.get("max"),
         "ttft_p50_s": summary.get("ttft_p50_s", {}).get("median"), "ttft_p99_s": summary.get("ttft_p99_s", {}).get("median"),
         "itl_p50_s": summary.get("itl_p50_s", {}).get("median"), "itl_p99_s": summary.get("itl_p99_s", {}).get("median"),
@@ -128,6 +138,7 @@ def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_lo
         "server_avg_spec_accept_length": result.server.avg_spec_accept_length,
         "server_metrics_accept_length": result.server.metrics_accept_length,
         "log_accept_len": decode_log.get("accept_len_mean"), "log_gen_throughput": decode_log.get("gen_throughput_mean"),
+        "log_decode_lines": decode_log.get("lines"),
         "accepted_by_position": accepted_by_position(result),
         "output_ids": [r.output_ids for r in result.runs[-1].requests] if result.runs else [],
         "disagreements": compare_client_server(result) if handle.speculative else [],
@@ -141,7 +152,9 @@ def accepted_by_position(result: BenchResult) -> list[float]:
     for run in result.runs:
         for request in run.requests:
             counts = (request.meta_info or {}).get("spec_correct_drafts_histogram") or []
-            histogram = [a + b for a, b in zip(histogram + [0] * len(counts), counts + [0] * len(histogram))]
+            width = max(len(histogram), len(counts))  # summed bin by bin, never longer than the longest
+            histogram = [a + b for a, b in zip(histogram + [0] * (width - len(histogram)),
+                                               counts + [0] * (width - len(counts)))]
     total = sum(histogram)
     if not total:
         return []
@@ -179,19 +192,44 @@ def sweep_settings(cfg: ExperimentConfig) -> list[SpeculativeConfig]:
     return [s.model_copy(update={"allow_adjustments": True}) for s in cfg.bench.sweep]
 
 
-def launch_setting(cfg, ctx, placement: Placement, spec: SpeculativeConfig | None, draft_dir: Path,
-                   target_config: dict, done: set[str]) -> ServerHandle | None:
-    """Preflight + launch one setting; None when its effective values were measured already."""
-    if spec is None:
-        return launch(cfg, placement, ctx.run_dir, label="baseline", spec=None, predicted=None)
-    findings, predicted = preflight(cfg, spec, draft_dir, target_config, placement.model_path)
-    label = f"speculative {setting_label(predicted)}"
-    if label in done:
-        logger().info(f"sweep {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}: runs as {label}, "
-                      "measured already; skipped")
-        return None
-    report_findings(findings, f"{label}: preflight failed", cfg.deploy.preflight == "enforce")
-    return launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
+def checked_sweep(cfg: ExperimentConfig, placement: Placement, draft_dir: Path, served) -> list[tuple]:
+    """Every sweep setting's preflight against the served model and, where SGLang serves, SGLang's own
+    resolution of all of them in one dry run: all before any sweep server starts. -> [(spec, predicted)]"""
+    checked = [(spec, *preflight(cfg, spec, draft_dir, served, placement)) for spec in sweep_settings(cfg)]
+    if cfg.deploy.server == "sglang" and checked:
+        argvs = [launch_args(cfg, model_path=placement.model_path, draft_path=placement.draft_path,
+                             port=cfg.deploy.port, spec=spec) for spec, _, _ in checked]
+        answers = sglang_dry_run_batch(placement.executor, argvs) or [None] * len(argvs)
+        checked = [(spec, findings + dry_run_findings(answer, predicted), predicted)
+                   for (spec, findings, predicted), answer in zip(checked, answers)]
+    for spec, findings, predicted in checked:
+        report_findings(findings, f"sweep {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens} (runs as "
+                        f"{setting_label(predicted)}): preflight failed", cfg.deploy.preflight == "enforce")
+    return [(spec, predicted) for spec, _, predicted in checked]
+
+
+def measure_settings(cfg, ctx, placement: Placement, deployed: ServerHandle, sweep: list[tuple], endpoint: str,
+                     prompts: list) -> list[dict]:
+    """The deployed setting, then the baseline (deploy.baseline), then each sweep setting, one server at a time;
+    a setting whose effective values were measured already is skipped."""
+    rows = bench_one(cfg, ctx, deployed, endpoint, prompts)
+    stop(ctx.run_dir, deployed)
+    if not cfg.deploy.baseline:
+        logger().info("deploy.baseline: false: no baseline is measured, so speedups are unknown")
+    done = {deployed.label}
+    for spec, predicted in ([(None, None)] if cfg.deploy.baseline else []) + sweep:
+        label = "baseline" if spec is None else f"speculative {setting_label(predicted)}"
+        if label in done:
+            logger().info(f"sweep {spec.num_steps}/{spec.eagle_topk}/{spec.num_draft_tokens}: runs as {label}, "
+                          "measured already; skipped")
+            continue
+        handle = launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
+        try:
+            rows += bench_one(cfg, ctx, handle, endpoint, prompts)
+        finally:
+            stop(ctx.run_dir, handle)
+        done.add(handle.label)
+    return rows
 
 
 # ------------------------------------------------------------------ offline figures
@@ -208,12 +246,33 @@ def offline_figures(ctx: StageContext, rows: list[dict], prompt_ids, target_dir:
         if row["speculative"] and acc:
             figures["per_setting"][row["setting"]] = {
                 "expected_accept_length": expected_accept_length(acc, row["effective"]["num_steps"])}
-    if cfg.bench.offline_reference and target_dir is not None and isinstance(prompt_ids[0], list):
+    if cfg.bench.offline_reference and not _weights_here(target_dir, cfg):
+        logger().info("reference decoder: not run (the target's weights are not on this machine, or "
+                      "target.engine is sglang: they are never loaded in transformers)")
+    elif cfg.bench.offline_reference and isinstance(prompt_ids[0], list):
         for row in rows:
             if row["speculative"] and row["concurrency"] == cfg.bench.concurrency[0]:
-                figures["per_setting"].setdefault(row["setting"], {})["reference_decoder_accept_length"] = \
-                    reference_accept_length(target_dir, draft_dir, prompt_ids, row["effective"], cfg.bench.max_new_tokens)
+                figures["per_setting"].setdefault(row["setting"], {}).update(
+                    _reference_figure(target_dir, draft_dir, prompt_ids, row["effective"], cfg.bench.max_new_tokens))
     return figures
+
+
+def _reference_figure(target_dir: Path, draft_dir: Path, prompt_ids, effective: dict, max_new_tokens: int) -> dict:
+    """The reference decoder's accept length, or why it has none: a draft this code cannot wire (an architecture
+    without a known capture rule) must not fail the stage after every measurement is taken."""
+    try:
+        return {"reference_decoder_accept_length":
+                reference_accept_length(target_dir, draft_dir, prompt_ids, effective, max_new_tokens)}
+    except ValueError as err:
+        logger().warning(f"reference decoder: not run for {setting_label(effective)}: {err}")
+        return {"reference_decoder_unavailable": str(err)}
+
+
+def _weights_here(target_dir: Path | None, cfg: ExperimentConfig) -> bool:
+    """Whether the in-process reference decoder may load the target: its weights are here (not a target
+    card of the data host) and the config lets transformers load it."""
+    return (target_dir is not None and cfg.target.engine == "hf"
+            and any(Path(target_dir).glob("*.safetensors")))
 
 
 def reference_accept_length(target_dir: Path, draft_dir: Path, prompt_ids: list[list[int]], effective: dict,
@@ -243,7 +302,7 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     deployed = ctx.upstream["deploy_server"]
     exported = ctx.upstream.get("export_checkpoint", {}).get("outputs", {})
     draft_dir = Path(exported["sglang_dir"])
-    target_dir = Path(exported["target_dir"]) if exported.get("target_dir") else None
+    target_dir = recorded_target_dir(cfg, ctx, exported["target_dir"]) if exported.get("target_dir") else None
     samples = ctx.upstream.get("generate_data", {}).get("outputs", {}).get("samples")
     conversations = bench_prompts(cfg, Path(samples) if samples else None)
     endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir and target_dir.is_dir() else None)
@@ -251,26 +310,57 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     fitting = fitting_prompts(cfg, prompts, spec_handle.server_info.get("context_len"))
     prompts = fitting[: cfg.bench.num_prompts]
     placement = _placement_of(ctx, deployed, spec_handle)
-    target_config = json.loads((target_dir / "config.json").read_text()) if target_dir else {}
+    served = served_model_reported(spec_handle, placement)  # what the deployed server loaded, read on its host
+    if served.paths.get("draft") == placement.draft_path:
+        served.draft_local_dir = str(draft_dir)  # this run's export, uploaded there sha256-verified
+    sweep = checked_sweep(cfg, placement, draft_dir, served)
 
-    rows = bench_one(cfg, ctx, spec_handle, endpoint, prompts)  # 1. the deployed setting
-    stop(ctx.run_dir, spec_handle)
-    done = {spec_handle.label}
-    for spec in [None, *sweep_settings(cfg)]:  # 2. the baseline, 3. each sweep setting, one server at a time
-        handle = launch_setting(cfg, ctx, placement, spec, draft_dir, target_config, done)
-        if handle is None:
-            continue
-        try:
-            rows += bench_one(cfg, ctx, handle, endpoint, prompts)
-        finally:
-            stop(ctx.run_dir, handle)
-        done.add(handle.label)
+    rows = measure_settings(cfg, ctx, placement, spec_handle, sweep, endpoint, prompts)
     offline = offline_figures(ctx, rows, prompts, target_dir, draft_dir, cfg)
-    verdict = diagnose(cfg, rows, offline, deployed, draft_dir, target_config, data=ctx.upstream.get("generate_data"),
-                       served_template_sha=_template_sha(target_dir))
+    requests = requests_sent(endpoint, target_dir if endpoint != "chat" else None, served)
+    verdict = diagnose(cfg, rows, offline, served.to_dict(), data=ctx.upstream.get("generate_data"), requests=requests)
     log_bench_report(ctx, cfg, rows, offline, verdict)
-    return {"rows": [_without_ids(r) for r in rows], "offline": offline, "verdict": verdict,
-            "metrics": headline_metrics(rows, offline, verdict), "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
+    summary = {"rows": [_without_ids(r) for r in rows], "offline": offline, "verdict": verdict, "requests": requests,
+               "metrics": headline_metrics(rows, offline, verdict), "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
+    ctx.write_json("bench.json", summary)
+    enforce_min_speedup(cfg, ctx, summary)
+    return summary
+
+
+class BelowMinSpeedup(RuntimeError):
+    """The best speedup is below bench.min_speedup; raised after the benchmark is recorded."""
+
+
+def speedup_shortfall(cfg: ExperimentConfig, verdict: dict) -> str | None:
+    """Why the run misses bench.min_speedup (the figure and the field), or None when it does not."""
+    floor, best = cfg.bench.min_speedup, verdict.get("best") or {}
+    if floor is None:
+        return None
+    if best.get("speedup") is None:
+        return f"bench.min_speedup {floor:g}: the speedup is unknown ({verdict['summary']})"
+    if best["speedup"] < floor:
+        return (f"bench.min_speedup {floor:g}: the best setting, {best['setting']}, reached {best['speedup']:.2f}x "
+                f"the baseline ({best['tok_s_median']:.1f} tok/s)")
+    return None
+
+
+def enforce_min_speedup(cfg: ExperimentConfig, ctx: StageContext, summary: dict) -> None:
+    """Fail the stage below bench.min_speedup; its figures stay in bench.md, bench.json and the stage's MLflow run."""
+    shortfall = speedup_shortfall(cfg, summary["verdict"])
+    if shortfall is None:
+        return
+    ctx.mlflow.log_metrics(summary["metrics"])  # a failed stage's metrics are not logged by the runner
+    raise BelowMinSpeedup(f"{shortfall}; the benchmark is recorded in {ctx.stage_dir / 'bench.md'}")
+
+
+def requests_sent(endpoint: str, tokenizer_dir: Path | None, served) -> dict[str, Any]:
+    """How the prompts reached the model: the endpoint and the chat template they went through (rendered
+    here by the target's tokenizer for the token-id endpoints, by the server itself for chat)."""
+    if endpoint == "chat":
+        return {"endpoint": endpoint, "template_sha256": served.chat_template_sha256,
+                "template_source": f"the server's own ({served.template_source})"}
+    return {"endpoint": endpoint, "template_sha256": _template_sha(tokenizer_dir),
+            "template_source": f"rendered by this machine's tokenizer in {tokenizer_dir}"}
 
 
 def _deployed_handle(ctx: StageContext, deployed: dict) -> ServerHandle:

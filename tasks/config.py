@@ -8,6 +8,7 @@ fields are `SecretStr` and print as `**********` everywhere (dumps, logs, MLflow
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -16,13 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from eagle3.config import DataConfig, ExportConfig, StrictModel, TargetConfig, TrainConfig
-from tasks.secrets import MASK, redact_obj, url_credentials
+from eagle3.config import NAME_PATTERN, DataConfig, ExportConfig, StrictModel, TargetConfig, TrainConfig
+from tasks.config_yaml import YamlProblem, parse as parse_yaml, read_text as read_yaml_text
+from tasks.secrets import MASK, maskable_env_value, redact_obj, url_credentials
 
 SECRET_MASK = MASK
-NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
 class ConfigError(Exception):
@@ -36,20 +37,26 @@ class ConfigError(Exception):
 # --------------------------------------------------------------------------- sections
 
 
+_NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"  # a newline in a path would end the remote shell command there
+
+
 class HostConfig(StrictModel):
     """One machine of the inventory, reached over SSH."""
 
     name: str = Field(..., pattern=NAME_PATTERN, description="Inventory name referenced by deploy.host.")
-    address: str = Field(..., min_length=1, max_length=253, description="Host name or IP address.")
+    address: str = Field(..., min_length=1, max_length=253, pattern=r"^[^\s@/]+$",
+                         description="Host name or IP address (no spaces, no user@).")
     port: int = Field(22, ge=1, le=65535, description="SSH port.")
-    user: str = Field(..., min_length=1, max_length=64, description="SSH user.")
+    user: str = Field(..., min_length=1, max_length=64, pattern=r"^[^\s:@]+$", description="SSH user.")
     key_file: str | None = Field(None, description="Private key file; None = the SSH agent / default keys.")
     key_passphrase: SecretStr | None = Field(None, description="Passphrase of key_file; use ${ENV_VAR}.")
     known_hosts: str | None = Field(
         None, description="known_hosts file used to verify the host key (unknown hosts are rejected)."
     )
-    workdir: str = Field("~/eagleops", min_length=1, description="Remote directory for checkpoints and logs.")
-    python: str = Field("python3", min_length=1, description="Remote Python that has sglang installed.")
+    workdir: str = Field("~/eagleops", min_length=1, pattern=_NO_CONTROL,
+                         description="Remote directory for checkpoints and logs.")
+    python: str = Field("python3", min_length=1, pattern=_NO_CONTROL, description="Remote Python that has sglang "
+                        "installed.")
     connect_timeout_s: float = Field(15.0, gt=0, le=600, description="TCP + SSH handshake timeout.")
     connect_retries: int = Field(
         3, ge=0, le=20, description="Reconnect attempts after a network error (with backoff); never after an "
@@ -61,6 +68,14 @@ class HostConfig(StrictModel):
         description="Reach this host through another: a hosts[].name, or user@host[:port] (same key and "
         "known_hosts as this host).",
     )
+
+    @field_validator("jump_host")
+    @classmethod
+    def _jump_port_in_range(cls, spec: str | None) -> str | None:
+        port = re.search(r"@[^@\s:]+:(\d+)$", spec or "")
+        if port and not 1 <= int(port.group(1)) <= 65535:
+            raise ValueError(f"the port of {spec} must be between 1 and 65535")
+        return spec
 
 
 class SpeculativeConfig(StrictModel):
@@ -82,7 +97,7 @@ class SpeculativeConfig(StrictModel):
 class DeployConfig(StrictModel):
     """Where and how the draft is served."""
 
-    host: str = Field("local", description="`local` or a hosts[].name.")
+    host: str = Field("local", pattern=NAME_PATTERN, description="`local` or a hosts[].name.")
     server: Literal["reference", "sglang"] = Field(
         "reference", description="`reference`: python -m eagle3.serve; `sglang`: python -m sglang.launch_server."
     )
@@ -97,13 +112,23 @@ class DeployConfig(StrictModel):
         True, description="--enable-metrics: /metrics counters let the benchmark cross-check its accept length and "
         "token counts exactly against the server's."
     )
-    env: dict[str, str] = Field(default_factory=dict, description="Environment for the server process.")
+    env: dict[str, SecretStr] = Field(
+        default_factory=dict, description="Environment for the server process (e.g. HF_TOKEN: ${HF_TOKEN}). Every "
+        "value is a secret: masked in every record (dumps, manifest, MLflow), passed in clear only to the server."
+    )
     startup_timeout_s: float = Field(900.0, gt=0, le=7200, description="Seconds to wait for /health.")
-    baseline: bool = Field(True, description="Also serve without speculation to measure the baseline.")
+    baseline: bool = Field(
+        True, description="Also serve without speculation to measure the baseline; false: no baseline server, and "
+        "every speedup is reported as unknown."
+    )
     preflight: Literal["enforce", "warn"] = Field(
         "enforce", description="`enforce`: a failed preflight check stops the deploy; `warn`: log it and launch "
         "anyway (to reproduce a failure on purpose; the benchmark's diagnosis still names it)."
     )
+
+    def server_env(self) -> dict[str, str]:
+        """`env` with its real values: what the server process gets (and nothing else should)."""
+        return {k: v.get_secret_value() if isinstance(v, SecretStr) else str(v) for k, v in self.env.items()}
 
 
 class BenchConfig(StrictModel):
@@ -116,7 +141,10 @@ class BenchConfig(StrictModel):
     max_new_tokens: int = Field(128, ge=1, le=131072, description="Tokens generated per prompt.")
     temperature: float = Field(0.0, ge=0, le=2, description="Sampling temperature.")
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1, description="Concurrent requests.")
-    min_speedup: float | None = Field(None, gt=0, le=100, description="Fail the run below this speedup.")
+    min_speedup: float | None = Field(
+        None, gt=0, le=100, description="Fail the benchmark stage, once its report is recorded, when the best "
+        "setting's speedup over the baseline is below this (needs deploy.baseline)."
+    )
     accept_length_tolerance: float = Field(
         0.25, ge=0, le=1, description="Max relative gap between online and offline accept length."
     )
@@ -143,10 +171,15 @@ class TrackingConfig(StrictModel):
     """MLflow destination."""
 
     uri: str | None = Field(
-        None, description="MLflow tracking URI; None = sqlite:///<runs_root>/mlflow.db (artifacts beside it)."
+        None, pattern=r"^\S+$", description="MLflow tracking URI; None = sqlite:///<runs_root>/mlflow.db (artifacts beside it). "
+        "A relative sqlite:/// path is relative to runs_root, not to the working directory."
     )
     experiment_name: str | None = Field(None, min_length=1, description="MLflow experiment; None = `experiment`.")
-    log_system_metrics: bool = Field(False, description="Sample CPU/GPU/memory metrics into the parent run.")
+    log_system_metrics: bool = Field(
+        False, description="Sample this machine's CPU, memory, disk, network (and GPU, with nvidia-ml-py) into each "
+        "stage's MLflow run as system/* metrics, every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (default 10) and "
+        "once when the stage ends; journaled like every MLflow write during an outage."
+    )
 
     @model_validator(mode="after")
     def _known_scheme(self) -> TrackingConfig:
@@ -165,7 +198,17 @@ class NightlyConfig(StrictModel):
     )
     min_tok_s_gain: float = Field(
         0.02, ge=-1, le=10, description="Relative tok/s gain over the champion needed to promote (0.02 = 2% faster), "
-        "at every bench.concurrency level; a negative value tolerates a slowdown."
+        "at every bench.concurrency level, by the gain's lower confidence bound (nightly.confidence), not its "
+        "median; a negative value tolerates a slowdown (the challenger must then win on accept length)."
+    )
+    rounds: int = Field(
+        3, ge=2, le=50, description="Champion and challenger are each served anew and benchmarked this many times, "
+        "interleaved (champion, challenger, challenger, champion, ...), one server at a time; each round's "
+        "median tok/s is one sample of the spread the decision uses."
+    )
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1, description="One-sided confidence of the bounds on the gains (Welch's t over the "
+        "rounds): a challenger is promoted only when the lower bound clears the margins."
     )
     accept_length_tolerance: float = Field(
         0.0, ge=0, le=1, description="Relative online accept-length drop vs the champion still accepted "
@@ -201,6 +244,8 @@ class ExperimentConfig(StrictModel):
             raise ValueError(f"hosts: duplicate host names {duplicates}")
         if self.deploy.host != "local" and self.deploy.host not in names:
             raise ValueError(f"deploy.host '{self.deploy.host}' is neither 'local' nor one of hosts[].name {names}")
+        for problem in jump_host_problems(self.hosts):
+            raise ValueError(problem)
         unknown_nodes = [n for n in self.train.nodes if n != "local" and n not in names]
         if unknown_nodes:
             raise ValueError(f"train.nodes {unknown_nodes} are neither 'local' nor hosts[].name {names}")
@@ -212,11 +257,24 @@ class ExperimentConfig(StrictModel):
                 f"data.draft_vocab_size ({self.data.draft_vocab_size}) exceeds the target vocabulary "
                 f"target.tiny.vocab_size ({self.target.tiny.vocab_size})"
             )
+        if self.bench.min_speedup is not None and not self.deploy.baseline:
+            raise ValueError("bench.min_speedup needs a baseline to compare with, and deploy.baseline is false; set "
+                             "deploy.baseline: true or drop bench.min_speedup")
+        if self.target.shape and self.data.max_length > self.target.shape.max_position_embeddings:
+            raise ValueError(f"data.max_length ({self.data.max_length}) exceeds the target's context "
+                             f"target.shape.max_position_embeddings ({self.target.shape.max_position_embeddings})")
         if self.target.shape and self.data.draft_vocab_size > self.target.shape.vocab_size:
             raise ValueError(
                 f"data.draft_vocab_size ({self.data.draft_vocab_size}) exceeds target.shape.vocab_size "
                 f"({self.target.shape.vocab_size})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _where_data_and_training_run(self) -> ExperimentConfig:
+        """Refuse every data/capture/training placement the stages cannot run (each message names its field)."""
+        for problem in runnable_placement_problems(self):
+            raise ValueError(problem)
         return self
 
     @property
@@ -225,6 +283,77 @@ class ExperimentConfig(StrictModel):
 
     def host(self, name: str) -> HostConfig:
         return next(h for h in self.hosts if h.name == name)
+
+
+def jump_host_problems(hosts: list[HostConfig]) -> list[str]:
+    """Jump hosts that name no inventory host, or whose chain comes back to a host already on it."""
+    by_name = {h.name: h for h in hosts}
+    index = {h.name: i for i, h in enumerate(hosts)}
+    problems = []
+    for i, host in enumerate(hosts):
+        chain, hop = [host.name], host
+        while hop.jump_host and "@" not in hop.jump_host:
+            if hop.jump_host not in by_name:
+                problems.append(f"hosts.{index[hop.name]}.jump_host '{hop.jump_host}' is neither user@host[:port] nor "
+                                f"one of hosts[].name {list(by_name)}")
+                break
+            hop = by_name[hop.jump_host]
+            if hop.name in chain:
+                problems.append(f"hosts.{i}.jump_host: {' -> '.join(chain + [hop.name])} is a loop; the last hop must "
+                                "be reachable directly")
+                break
+            chain.append(hop.name)
+    return list(dict.fromkeys(problems))
+
+
+def runnable_placement_problems(cfg: ExperimentConfig) -> list[str]:
+    """Why the data stage, its capture engine and training cannot run where the config puts them."""
+    data, target, train = cfg.data, cfg.target, cfg.train
+    names = [h.name for h in cfg.hosts]
+    problems = []
+    if data.host != "local" and data.host not in names:
+        problems.append(f"data.host '{data.host}' is neither 'local' nor one of hosts[].name {names}")
+    if data.hidden_states == "online":
+        if train.devices > 1:
+            problems.append("data.hidden_states: online computes the target's features inside one training process; "
+                            f"with train.devices {train.devices} (torchrun ranks) use data.hidden_states: offline")
+        if target.engine == "sglang":
+            problems.append("data.hidden_states: online loads the target in transformers, which target.engine "
+                            "sglang never does: use data.hidden_states: offline")
+        if data.host != "local":
+            problems.append(f"data.hidden_states: online needs the target where training runs; with data.host "
+                            f"'{data.host}' use data.hidden_states: offline")
+    rcfg = data.regenerate
+    if target.engine == "sglang" and rcfg.enabled and rcfg.backend == "local":
+        problems.append("data.regenerate.backend: local generates with transformers in-process, which target.engine "
+                        "sglang never does: use backend sglang with data.regenerate.deploy (or endpoints)")
+    if target.engine == "sglang" and target.aux_layer_ids and min(target.aux_layer_ids) < 0:
+        problems.append(f"target.aux_layer_ids {target.aux_layer_ids}: SGLang's capture takes ids >= 0, so -1 (the "
+                        "embeddings) cannot be captured with target.engine sglang")
+    tokens = data.capture_batch_size * data.max_length
+    if target.engine == "sglang" and data.hidden_states == "offline" and tokens > data.capture.max_batch_tokens:
+        problems.append(f"data.capture.max_batch_tokens {data.capture.max_batch_tokens} is below data.capture_batch_size "
+                        f"x data.max_length = {tokens}: a capture forward is never chunked, so raise it or lower those")
+    if data.host != "local":
+        problems += _remote_data_problems(cfg)
+    return problems
+
+
+def _remote_data_problems(cfg: ExperimentConfig) -> list[str]:
+    """data.host is a host: the dataset stays there, so training, regeneration and export must fit that."""
+    data, host = cfg.data, cfg.data.host
+    problems = []
+    if cfg.train.nodes != [host]:
+        problems.append(f"train.nodes {cfg.train.nodes}: the shards stay on data.host '{host}' (they never cross this "
+                        f"machine), so training reads them there: set train.nodes: [{host}]")
+    deploy = data.regenerate.deploy
+    if data.regenerate.enabled and deploy is not None and deploy.host != host:
+        problems.append(f"data.regenerate.deploy.host '{deploy.host}': the data stage on data.host '{host}' asks its "
+                        f"regeneration servers at 127.0.0.1 there, so start them on '{host}'")
+    if "speculators" in cfg.export.formats:
+        problems.append(f"export.formats: speculators embeds the target's embedding read from its weights, which stay "
+                        f"on data.host '{host}'; export sglang only")
+    return problems
 
 
 # --------------------------------------------------------------------------- loading
@@ -239,12 +368,13 @@ def load_experiment(path: str | Path, variant: int | None = None) -> ExperimentC
     """
     data, lines, shown = _read_yaml(Path(path))
     if "sweep" in data:
-        variants = load_sweep(path)
+        variants = _expand_sweep(Path(path), data, lines, shown)
         if variant is None or not 0 <= variant < len(variants):
-            raise ConfigError([f"{shown}: sweep file with {len(variants)} variants; choose one with variant 0..{len(variants) - 1}"])
+            raise ConfigError([f"{shown}:{_line_of(('sweep', 'grid'), lines)}: sweep.grid: {len(variants)} variants; "
+                               f"choose one with variant 0..{len(variants) - 1}"])
         return variants[variant][1]
     if variant is not None:
-        raise ConfigError([f"{shown}: not a sweep file, so it has no variant {variant}"])
+        raise ConfigError([f"{shown}:1: not a sweep file, so it has no variant {variant}"])
     try:
         return ExperimentConfig.model_validate(data)
     except ValidationError as err:
@@ -256,74 +386,172 @@ def is_sweep(path: str | Path) -> bool:
     return "sweep" in data
 
 
+def load_variants(path: str | Path) -> list[tuple[str | None, ExperimentConfig]]:
+    """An experiment file as [(None, config)], a sweep file as its named variants; the file is read once."""
+    data, lines, shown = _read_yaml(Path(path))
+    if "sweep" in data:
+        return _expand_sweep(Path(path), data, lines, shown)
+    try:
+        return [(None, ExperimentConfig.model_validate(data))]
+    except ValidationError as err:
+        raise ConfigError([_format_error(e, shown, lines) for e in err.errors()]) from None
+
+
+MAX_SWEEP_VARIANTS = 256  # each one a server launch; validate prints every one
+
+
 def load_sweep(path: str | Path) -> list[tuple[str, ExperimentConfig]]:
     """Expand a sweep file (`sweep: {base, name, grid}`) into named, validated variants.
 
     Each grid entry maps dotted field paths to values that replace the base's, e.g.
     `{deploy.speculative: {num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}}`. An error in an
-    overridden field points at the grid entry's line; any other at the base file's line.
+    overridden field (or a rule naming one) points at the grid entry's line; any other at the base
+    file's line, once however many variants share it.
     """
-    path = Path(path)
-    data, lines, shown = _read_yaml(path)
-    sweep = data.get("sweep")
-    if not isinstance(sweep, dict) or set(sweep) - {"base", "name", "grid"} or "base" not in sweep:
-        raise ConfigError([f"{shown}:1: sweep: expected a mapping with keys base, name, grid"])
-    grid = sweep.get("grid")
-    if not isinstance(grid, list) or not grid or not all(isinstance(g, dict) for g in grid):
-        raise ConfigError([f"{shown}:{_line_of(('sweep', 'grid'), lines)}: sweep.grid: expected a non-empty list"])
-    base_path = (path.parent / str(sweep["base"])).resolve()
+    return _expand_sweep(Path(path), *_read_yaml(Path(path)))
+
+
+def _expand_sweep(path: Path, data: dict, lines: dict[tuple, int], shown: str) -> list[tuple[str, ExperimentConfig]]:
+    name, grid = _sweep_shape(data, lines, shown)
+    base_path = _sweep_base(path, data["sweep"]["base"], lines, shown)
     base, base_lines, base_shown = _read_yaml(base_path)
+    if "sweep" in base:
+        raise ConfigError([f"{shown}:{_line_of(('sweep', 'base'), lines)}: sweep.base: {base_shown} is a sweep file "
+                           "itself; a sweep's base is one experiment"])
     variants, errors = [], []
     for i, overrides in enumerate(grid):
         grid_line = _line_of(("sweep", "grid", i), lines)
-        variant = _apply_overrides(base, overrides)
         try:
-            cfg = ExperimentConfig.model_validate(variant)
+            variant = _apply_overrides(base, overrides)
+            variants.append((f"{name}-{i}", ExperimentConfig.model_validate(variant)))
+        except _OverrideError as err:
+            errors.append(f"{shown}:{grid_line}: sweep.grid[{i}]: {err}")
         except ValidationError as err:
             for e in err.errors():
-                hit = any(".".join(map(str, e["loc"])).startswith(key) for key in overrides)
-                where = (shown, {tuple(e["loc"]): grid_line}) if hit else (base_shown, base_lines)
-                errors.append(f"sweep.grid[{i}]: " + _format_error(e, *where))
-            continue
-        variants.append((f"{sweep.get('name', 'sweep')}-{i}", cfg))
+                if _overridden(e, overrides):
+                    errors.append(_format_error(e, shown, lines, line=grid_line, tag=f"sweep.grid[{i}]"))
+                else:
+                    errors.append(_format_error(e, base_shown, base_lines))
     if errors:
-        raise ConfigError(errors)
+        raise ConfigError(list(dict.fromkeys(errors)))  # a base error shared by every variant, once
     return variants
 
 
+def _sweep_shape(data: dict, lines: dict[tuple, int], shown: str) -> tuple[str, list[dict]]:
+    """The sweep's name and grid, or ConfigError naming the key that is not what a sweep file holds."""
+    sweep = data.get("sweep")
+    if set(data) != {"sweep"}:
+        extra = next(k for k in data if k != "sweep")
+        raise ConfigError([f"{shown}:{_line_of((extra,), lines)}: {_short(extra)}: a sweep file holds only `sweep` "
+                           "(base, name, grid); put experiment fields in the base"])
+    if not isinstance(sweep, dict) or set(sweep) - {"base", "name", "grid"} or "base" not in sweep:
+        raise ConfigError([f"{shown}:{_line_of(('sweep',), lines)}: sweep: expected a mapping with keys base, name, grid"])
+    name = sweep.get("name", "sweep")
+    if not isinstance(name, str) or not re.match(NAME_PATTERN, name):
+        raise ConfigError([f"{shown}:{_line_of(('sweep', 'name'), lines)}: sweep.name: must match {NAME_PATTERN} "
+                           f"(got {_short(repr(name))})"])
+    grid = sweep.get("grid")
+    where = f"{shown}:{_line_of(('sweep', 'grid'), lines)}: sweep.grid"
+    if not isinstance(grid, list) or not grid:
+        raise ConfigError([f"{where}: expected a non-empty list of {{field.path: value}} mappings"])
+    if len(grid) > MAX_SWEEP_VARIANTS:
+        raise ConfigError([f"{where}: {len(grid)} entries; a sweep has at most {MAX_SWEEP_VARIANTS}"])
+    for i, entry in enumerate(grid):
+        if not isinstance(entry, dict) or not entry:
+            raise ConfigError([f"{shown}:{_line_of(('sweep', 'grid', i), lines)}: sweep.grid[{i}]: expected a "
+                               "non-empty mapping of field paths to values, e.g. {deploy.port: 30001}"])
+    return name, grid
+
+
+def _sweep_base(path: Path, base: Any, lines: dict[tuple, int], shown: str) -> Path:
+    """The base file next to the sweep file; a missing or unreadable one is named at the sweep's line."""
+    where = f"{shown}:{_line_of(('sweep', 'base'), lines)}: sweep.base"
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError([f"{where}: expected the path of an experiment file (got {_short(repr(base))})"])
+    base_path = _absolute(path.parent / base)
+    try:
+        os.stat(base_path)
+    except FileNotFoundError:
+        raise ConfigError([f"{where}: {_short(base)}: file not found (relative to the sweep file)"]) from None
+    except OSError as err:
+        raise ConfigError([f"{where}: {_short(base)}: cannot read ({err.strerror or err})"]) from None
+    return base_path
+
+
+class _OverrideError(ValueError):
+    """A grid entry key that cannot be applied to the base (a path through a value that is not a section)."""
+
+
+def field_location(path: str | Path, field: str, variant: int | None = None) -> str:
+    """`file:line` where `field` (dotted; list items by index, bench.sweep.0) is written in a config that loads:
+    in a sweep variant, its grid entry's line when the entry sets the field, else the base file's line."""
+    path = Path(path)
+    data, lines, shown = _read_yaml(path)
+    loc = tuple(int(part) if part.isdigit() else part for part in field.split("."))
+    if "sweep" in data and variant is not None:
+        if _overridden({"loc": loc, "type": "field", "msg": ""}, data["sweep"]["grid"][variant]):
+            return f"{shown}:{_line_of(('sweep', 'grid', variant), lines)}"
+        _, lines, shown = _read_yaml(_sweep_base(path, data["sweep"]["base"], lines, shown))
+    return f"{shown}:{_line_of(loc, lines)}"
+
+
 def _apply_overrides(base: dict, overrides: dict) -> dict:
-    variant = json.loads(json.dumps(base))
+    variant = copy.deepcopy(base)
     for dotted, value in overrides.items():
+        parts = str(dotted).split(".")
+        if not all(part.strip() for part in parts):
+            raise _OverrideError(f"{_short(str(dotted))}: expected a field path such as deploy.port")
         node = variant
-        *parents, leaf = str(dotted).split(".")
-        for part in parents:
+        for depth, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
-        node[leaf] = value
+            if not isinstance(node, dict):
+                parent = ".".join(parts[:depth + 1])
+                kind = "a list" if isinstance(node, list) else "null" if node is None else f"a {type(node).__name__}"
+                raise _OverrideError(f"{_short(str(dotted))}: {parent} is {kind} in the base, not a section; "
+                                     f"replace {parent} whole")
+        node[parts[-1]] = copy.deepcopy(value)
     return variant
+
+
+def _overridden(error: dict, overrides: dict) -> bool:
+    """Whether a grid entry caused this error: its field is at or under an overridden path (or above one),
+    or a cross-field rule names an overridden field."""
+    keys = [tuple(str(k).split(".")) for k in overrides]
+    named = [tuple(map(str, error["loc"]))] if error["loc"] else []
+    if error["type"] == "value_error":
+        named += [tuple(d.split(".")) for d in re.findall(r"\b[a-z_]+(?:\.(?:[a-z_]+|\d+))+\b", error["msg"])]
+    return any(n[:len(k)] == k or k[:len(n)] == n for n in named for k in keys if n)
 
 
 def _read_yaml(path: Path) -> tuple[dict, dict[tuple, int], str]:
     """Parsed + interpolated mapping, its key-path -> line index, and the path as shown in errors."""
     shown = _display_path(path)
-    if not path.is_file():
-        raise ConfigError([f"{shown}: file not found"])
-    text = path.read_text(encoding="utf-8")
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{shown}:{mark.line + 1}" if mark else shown
-        raise ConfigError([f"{where}: invalid YAML: {getattr(err, 'problem', None) or err}"]) from None
+        root, data = parse_yaml(read_yaml_text(path))
+    except FileNotFoundError:
+        raise ConfigError([f"{shown}: file not found"]) from None
+    except OSError as err:  # a symlink loop, a directory, no permission
+        raise ConfigError([f"{shown}: cannot read the file ({err.strerror or err})"]) from None
+    except YamlProblem as problem:
+        where = f"{shown}:{problem.line}" if problem.line else shown
+        raise ConfigError([f"{where}: {problem.message}"]) from None
     if not isinstance(data, dict):
         raise ConfigError([f"{shown}:1: the file must be a mapping of sections (experiment, target, data, ...)"])
     lines = _line_index(root)
     return _interpolate(data, (), shown, lines), lines, shown
 
 
+def _absolute(path: Path) -> Path:
+    """`path.resolve()`, or the plain absolute path where resolving fails (a symlink loop)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(path))
+
+
 def _display_path(path: Path) -> str:
     try:
-        return str(path.resolve().relative_to(Path.cwd()))
+        return str(_absolute(path).relative_to(Path.cwd()))
     except ValueError:
         return str(path)
 
@@ -367,29 +595,53 @@ def _interpolate(value: Any, loc: tuple, shown: str, lines: dict[tuple, int]) ->
             return os.environ[name]
         if default is not None:
             return default
-        field = ".".join(str(p) for p in loc)
-        raise ConfigError([f"{shown}:{_line_of(loc, lines)}: {field}: environment variable {name} is not set"])
+        raise ConfigError([f"{shown}:{_line_of(loc, lines)}: {_field_name(loc)}: environment variable {name} is not set"])
 
+    if "${" in _ENV_REF.sub("", value):  # kept literally, it would reach a server or a shell as `${...`
+        raise ConfigError([f"{shown}:{_line_of(loc, lines)}: {_field_name(loc)}: malformed reference in "
+                           f"{_short(repr(value))}: write ${{NAME}} or ${{NAME:-default}} (NAME: letters, digits, _)"])
     return _ENV_REF.sub(expand, value)
 
 
-def _format_error(error: dict, shown: str, lines: dict[tuple, int]) -> str:
+def _field_name(loc: tuple) -> str:
+    return ".".join(_short(str(p), 80) for p in loc)
+
+
+def _short(text: str, limit: int = 120) -> str:
+    """`text` cut to `limit` characters: an error names a value, it does not echo a 50 MB one."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _shown(value: Any) -> str:
+    """A value as an error quotes it: its repr, cut, with a long string's own length."""
+    text = repr(value)
+    if len(text) <= 120:
+        return text
+    return f"{text[:120]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
+
+
+def _format_error(error: dict, shown: str, lines: dict[tuple, int], line: int | None = None,
+                  tag: str | None = None) -> str:
+    """`file:line: field: reason` for one pydantic error; `line` overrides the lookup, `tag` (a sweep's
+    grid entry) goes before the field."""
     loc = tuple(error["loc"])
-    field = ".".join(str(p) for p in loc)
+    field = _field_name(loc)
     reason = _reason(error, loc)
-    line = _line_of(loc, lines)
-    if error["type"] == "value_error":
-        line = _line_of_named_field(reason, lines) or line
+    if line is None:
+        line = _line_of(loc, lines)
+        if error["type"] == "value_error":
+            line = _line_of_named_field(reason, lines) or line
+    where = f"{shown}:{line}: " + (f"{tag}: " if tag else "")
     if not field or any(reason.startswith(field + sep) for sep in (" ", ":", ".")):
-        return f"{shown}:{line}: {reason}"
-    return f"{shown}:{line}: {field}: {reason}"
+        return where + reason
+    return f"{where}{field}: {reason}"
 
 
 def _line_of_named_field(reason: str, lines: dict[tuple, int]) -> int | None:
     """Cross-field rules name their fields ("deploy.host '...' is ..."): point at the first one present."""
     leading = re.match(r"^([a-z_]+):", reason)
-    for dotted in ([leading.group(1)] if leading else []) + re.findall(r"\b[a-z_]+(?:\.[a-z_]+)+\b", reason):
-        path = tuple(dotted.split("."))
+    for dotted in ([leading.group(1)] if leading else []) + re.findall(r"\b[a-z_]+(?:\.(?:[a-z_]+|\d+))+\b", reason):
+        path = tuple(int(part) if part.isdigit() else part for part in dotted.split("."))
         if path in lines:
             return lines[path]
     return None
@@ -400,17 +652,17 @@ def _reason(error: dict, loc: tuple) -> str:
     bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
     if kind in bounds:
         limit = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {limit} (got {given!r})"
+        return f"must be {bounds[kind]} {limit} (got {_shown(given)})"
     if kind == "missing":
         return "required field is missing"
     if kind == "extra_forbidden":
         allowed = _allowed_fields(loc[:-1])
         return f"unknown field (allowed: {', '.join(allowed)})" if allowed else "unknown field"
     if kind == "value_error":
-        return error["msg"].removeprefix("Value error, ")
+        return _short(error["msg"].removeprefix("Value error, "), 1000)
     message = error["msg"].replace("Input should be", "must be").replace("String should", "must")
     if isinstance(given, (str, int, float, bool)) or given is None:
-        return f"{message} (got {given!r})"
+        return f"{message} (got {_shown(given)})"
     return message
 
 
@@ -476,7 +728,9 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def secret_values(cfg: BaseModel) -> list[str]:
-    """Every secret's plain value (non-empty): `SecretStr` fields and URL credentials, for
+    """Every secret's plain value (non-empty) to mask in free text: `SecretStr` fields, URL credentials and
+    the `deploy.env` values `tasks.secrets.maskable_env_value` accepts (short values under names that do
+    not look secret, `NCCL_DEBUG: INFO`, are masked in records only), for
     `tasks.secrets.register_secrets` and for tests that assert none of them leak."""
     found: list[str] = []
 
@@ -493,7 +747,9 @@ def secret_values(cfg: BaseModel) -> list[str]:
             for item in value:
                 walk(item)
         elif isinstance(value, dict):
-            for item in value.values():
+            for key, item in value.items():
+                if isinstance(item, SecretStr) and not maskable_env_value(str(key), item.get_secret_value()):
+                    continue
                 walk(item)
 
     walk(cfg)

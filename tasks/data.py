@@ -1,8 +1,9 @@
 """generate_data: target -> regenerated answers -> loss-masked samples -> draft vocab -> hidden states.
 
 A thin wrapper over `eagle3.data.generate.generate_dataset`. The tiny target is built (or reused from
-the content-addressed cache under `<runs_root>/cache/targets`) here, so the whole CPU default
-needs nothing from a hub. Everything the data depends on is logged to the stage's MLflow
+the content-addressed cache under `<runs_root>/cache/targets`, the runs root the run folder lives in) here,
+so the whole CPU default needs nothing from a hub; `recorded_target_dir` finds it again for the later
+stages of a run folder that moved. Everything the data depends on is logged to the stage's MLflow
 run: the aux layer ids in SGLang's convention *and* as HF indices, the chat-template hash,
 regeneration settings (no secrets) and the draft vocab map.
 
@@ -23,14 +24,16 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from pydantic import SecretStr
 
 from eagle3.data.generate import generate_dataset
+from eagle3.data.samples import SAMPLES_META
 from eagle3.data.tiny_target import build_tiny_target
 from tasks.config import ExperimentConfig, HostConfig
 from tasks.deploy import Placement, ServerHandle, launch, stop
 from tasks.pipeline import StageContext, logger
 from tasks.remote import Executor, connect
-from tasks.rundir import digest_json, digest_paths
+from tasks.rundir import digest_paths
 
 
 def resolve_target_dir(cfg: ExperimentConfig, ctx: StageContext) -> Path:
@@ -46,11 +49,31 @@ def resolve_target_dir(cfg: ExperimentConfig, ctx: StageContext) -> Path:
             f"target.model_path: {target_dir}/config.json not found on this machine; "
             "run the data stage where the target weights are"
         )
-    return target_dir
+    return target_dir.resolve()  # recorded absolute: a resume from another working directory finds it
+
+
+def recorded_target_dir(cfg: ExperimentConfig, ctx: StageContext, recorded: str) -> Path:
+    """The target an upstream stage recorded; for a run folder copied without its runs root's tiny-target
+    cache, the same tiny target (same content key, so the same name) resolved in the runs root it lives in now."""
+    target_dir = Path(recorded)
+    if (target_dir / "config.json").is_file() or cfg.target.kind != "tiny":
+        return target_dir
+    logger().info(f"tiny target: {target_dir.name} is not at {target_dir.parent} (the run folder was moved "
+                  f"without it); resolving it under {cfg.runs_root}")
+    found = resolve_target_dir(cfg, ctx)
+    if found.name != target_dir.name:
+        raise FileNotFoundError(f"tiny target {target_dir.name}, which this run was trained on, is not in "
+                                f"{found.parent} and this eagleops builds {found.name} from target.tiny: copy "
+                                f"{target_dir.name} from the original runs root's cache/targets")
+    return found
 
 
 @task(name="generate_data", cache_policy=NO_CACHE)
 def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    if cfg.data.host != "local":  # where the target is: the hidden states are written and stay there
+        from tasks.data_host import generate_on_host
+
+        return generate_on_host(cfg, ctx)
     target_dir = resolve_target_dir(cfg, ctx)
     dataset_dir = ctx.stage_dir / "dataset"
     summary = generate_dataset(target_dir, cfg.target, cfg.data, dataset_dir, on_progress=ctx.progress(),
@@ -77,9 +100,11 @@ def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
 
 
 @contextlib.contextmanager
-def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: Path) -> Iterator[list[str]]:
+def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: Path | None, *,
+                         reach_from_host: bool = False) -> Iterator[list[str]]:
     """data.regenerate.deploy: start N baseline servers of the target, yield the URLs this process
-    reaches them at (SSH tunnels for remote hosts), stop every one of them on exit."""
+    reaches them at (SSH tunnels for remote hosts) -- or, with `reach_from_host`, the URLs a process
+    on their host reaches them at (the data stage on data.host) -- and stop every one of them on exit."""
     wanted = cfg.data.regenerate.deploy
     if wanted is None:
         raise ValueError("data.regenerate.deploy is not set: no servers to start")
@@ -94,7 +119,7 @@ def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: P
             handles.append(launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
                                   spec=None, predicted=None))
             port += 1
-        yield [h.local_url for h in handles]
+        yield [f"http://127.0.0.1:{h.port}" if reach_from_host else h.local_url for h in handles]
     finally:
         for handle in handles:
             stop(ctx.run_dir, handle, executor)
@@ -139,18 +164,20 @@ def server_config(cfg: ExperimentConfig, port: int, k: int) -> ExperimentConfig:
     unless deploy.env pins CUDA_VISIBLE_DEVICES."""
     env = dict(cfg.deploy.env)
     if cfg.deploy.server == "sglang" and "CUDA_VISIBLE_DEVICES" not in env:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * cfg.deploy.tp + j) for j in range(cfg.deploy.tp))
+        env["CUDA_VISIBLE_DEVICES"] = SecretStr(",".join(str(k * cfg.deploy.tp + j) for j in range(cfg.deploy.tp)))
     return cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update={"port": port, "env": env})})
 
 
 def dataset_digest(target_dir: Path, summary: dict) -> str:
     """Content digest of what training consumes: samples, vocab map, the hidden-state shards'
-    manifest (it holds each shard's sha256, so terabytes are not re-read) and the target's identity."""
+    manifest (it holds each shard's sha256, so terabytes are not re-read) and the target's identity:
+    its config.json and the samples' meta, whose fingerprint names the target by its config, weight
+    and tokenizer files -- never by where it lies, so a moved run folder or runs root keeps the digest."""
     paths = summary["paths"]
-    hashed = [paths["samples"], paths["vocab"], target_dir / "config.json"]
+    hashed = [paths["samples"], Path(paths["samples"]).with_name(SAMPLES_META), paths["vocab"], target_dir / "config.json"]
     if paths.get("hidden_states"):
         hashed.append(Path(paths["hidden_states"]) / "manifest.json")
-    return digest_json([digest_paths(hashed), str(target_dir.resolve())])
+    return digest_paths(hashed)
 
 
 def _log_to_mlflow(ctx: StageContext, target_dir: Path, summary: dict) -> None:

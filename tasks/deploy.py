@@ -7,20 +7,30 @@ draft wired to other layers than the target feeds it -- the two failures that co
 
 1. the host's environment (the same checks as the local stage, run there over SSH);
 2. preflight: the effective settings SGLang will run (`tasks.launch`), the draft <-> target wiring
-   (`eagle3.export.check_serving_wiring` against the training record), a free port;
+   (`eagle3.export.check_serving_wiring` against the training record) with the served model's
+   files as the serving host has them (`tasks.served`), a free port;
 3. upload of the draft (and of a tiny target) -- verified, resumable, skipped when identical;
-4. SGLang's own argument resolution in a dry run on the host, when sglang is installed there;
+4. SGLang's own argument resolution in a dry run on the host, when sglang is installed there
+   (`sglang_dry_run_batch` resolves the benchmark's sweep settings the same way, in one process);
 5. launch detached in its own process group, wait for /health_generate while tailing the log,
-   then /server_info: the resolved settings must equal the prediction.
+   then /server_info: what the server reports is what it runs (`ServerHandle.effective`); a report
+   other than the prediction fails the launch (`deploy.preflight: warn`: logged, and reported
+   under the server's values).
 
-Every live server is recorded in `<run_dir>/servers.json`; `teardown_run` (the flow's `finally`,
-its failure/cancellation hooks, `eagleops teardown RUN_DIR`) kills each process group and checks
-the port is free. The benchmark stage launches further servers (baseline, sweep) through `launch`.
+Every live server is recorded in `<run_dir>/servers.json` (`tasks.server_registry`, writers under a
+lock); `teardown_run` (the flow's `finally`, its failure/cancellation hooks, `eagleops teardown
+RUN_DIR`) kills each process group -- only while its pid is still the process launched (its start
+time, recorded at launch: a pid the host gave to another process since is never killed) -- and
+checks the port is free. It never raises for a server it cannot stop (a host that no longer answers,
+a group already gone): it logs why and stops the others, so the error that started the teardown stays
+the error; signals wait until it is done. The SSH connections opened for the run's servers close
+with it. The benchmark stage launches further servers (baseline, sweep) through `launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -33,7 +43,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from eagle3.environment import Facts, Needs, evaluate, overall_status
-from eagle3.export import TRAINING_RECORD, Problem, check_serving_wiring, read_target_config
+from eagle3.export import TRAINING_RECORD, Problem, check_serving_wiring
 from tasks.config import ExperimentConfig, HostConfig, SpeculativeConfig
 from tasks.launch import (
     SERVER_MODULES,
@@ -42,14 +52,15 @@ from tasks.launch import (
     launch_args,
     predict,
     settings_findings,
-    target_architecture,
 )
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, connect
-from tasks.rundir import write_json_atomic
+from tasks.served import ServedModel, launch_paths, read_served_model, reported_paths
+from tasks.server_registry import SERVERS_FILE, read_servers, record_server, registry_path  # noqa: F401 (re-export)
+from tasks.signal_hold import signals_held
 
-SERVERS_FILE = "servers.json"
 LOG_TAIL_LINES = 50
+TEARDOWN_CONNECT_RETRIES = 1  # a host that does not answer costs the teardown one retry, not connect_retries
 DRY_RUN_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "serving" / "sglang_dryrun.py"
 ENVIRONMENT_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "environment.py"
 
@@ -75,9 +86,13 @@ class ServerHandle:
     argv: list[str]
     speculative: bool
     asked: dict[str, Any] = field(default_factory=dict)
-    effective: dict[str, Any] = field(default_factory=dict)
+    effective: dict[str, Any] = field(default_factory=dict)  # what the server runs: its /server_info, else predicted
     server_info: dict[str, Any] = field(default_factory=dict)
     local_url: str = ""  # how this process reaches it (a tunnel for SSH hosts)
+    predicted: dict[str, Any] = field(default_factory=dict)  # the preflight's resolution of the flags
+    settings_source: str = ""  # "/server_info", or "prediction" when the server reports no speculative settings
+    allow_adjustments: bool = False  # the config opted into SGLang rewriting the asked values
+    identity: str = ""  # the process at launch (host boot id:start time); "" (older records): unchecked
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,12 +107,15 @@ class Placement:
     workdir: str
     model_path: str
     draft_path: str
+    uploads: dict[str, Path] = field(default_factory=dict)  # host path -> the local folder uploaded there
 
 
 # Executors and tunnels this process holds open for live servers, by run folder: the benchmark
 # stage reaches the servers the deploy stage started through them.
 _LIVE: dict[str, dict[str, Any]] = {}
 _LIVE_LOCK = threading.Lock()
+# Executors opened for a run's servers (deploy, the gate): they outlive the stage, the run's teardown closes them.
+_RUN_EXECUTORS: dict[str, list[Executor]] = {}
 
 
 # ------------------------------------------------------------------ host and environment
@@ -107,8 +125,13 @@ def host_config(cfg: ExperimentConfig) -> HostConfig | None:
     return None if cfg.deploy.host == "local" else cfg.host(cfg.deploy.host)
 
 
-def open_executor(cfg: ExperimentConfig) -> Executor:
-    return connect(host_config(cfg), cfg.hosts)
+def open_executor(cfg: ExperimentConfig, run_dir: Path | None = None) -> Executor:
+    """The deploy host's executor; with `run_dir`, held for that run's servers and closed by its teardown."""
+    executor = connect(host_config(cfg), cfg.hosts)
+    if run_dir is not None:
+        with _LIVE_LOCK:
+            _RUN_EXECUTORS.setdefault(str(run_dir), []).append(executor)
+    return executor
 
 
 def remote_facts(executor: Executor, workdir: str) -> Facts:
@@ -152,13 +175,24 @@ def wiring_findings(draft_dir: Path, target_config: dict) -> list[Finding]:
     return [Finding(p.severity, f"wiring.{p.code}", p.message) for p in problems]
 
 
-def preflight(cfg: ExperimentConfig, spec: SpeculativeConfig, draft_dir: Path, target_config: dict,
-              model_path: str) -> tuple[list[Finding], dict]:
-    """Every check that needs no server: effective settings and draft <-> target wiring."""
-    args = launch_args(cfg, model_path=model_path, draft_path=str(draft_dir), port=cfg.deploy.port, spec=spec)
-    resolution = predict(cfg, args, target_config.get("architectures", [None])[0] or target_architecture(cfg))
-    findings = settings_findings(spec, resolution) + wiring_findings(draft_dir, target_config)
+def preflight(cfg: ExperimentConfig, spec: SpeculativeConfig, draft_dir: Path, served: ServedModel,
+              placement: Placement) -> tuple[list[Finding], dict]:
+    """Every check that needs no server: effective settings, and the draft <-> target wiring against the
+    served model's files as the serving host has them (`served`, from `served_model_planned`)."""
+    # The draft's local copy for the prediction: SGLang's algorithm-alias rule reads the draft's config.json.
+    args = launch_args(cfg, model_path=placement.model_path, draft_path=str(draft_dir), port=cfg.deploy.port, spec=spec)
+    resolution = predict(cfg, args, served.target_config.get("architectures", [None])[0])
+    findings = settings_findings(spec, resolution) + served_draft_findings(placement, draft_dir, served)
     return findings, effective_settings(spec, resolution) | {"max_running_requests": resolution.max_running_requests}
+
+
+def served_draft_findings(placement: Placement, draft_dir: Path, served: ServedModel) -> list[Finding]:
+    """The wiring of the draft the server will load: this run's export, unless the flags name another."""
+    if served.paths.get("draft") != placement.draft_path:
+        return [Finding("error", "wiring.draft_override", f"the launch flags (deploy.extra_args) make the server load "
+                        f"the draft at {served.paths.get('draft')}, not this run's export ({placement.draft_path}); "
+                        "what it was trained on is not what this run checked")]
+    return wiring_findings(draft_dir, served.target_config)
 
 
 def report_findings(findings: list[Finding], what: str, enforce: bool = True) -> None:
@@ -175,30 +209,52 @@ def report_findings(findings: list[Finding], what: str, enforce: bool = True) ->
 # ------------------------------------------------------------------ placement
 
 
-def target_config_on_host(cfg: ExperimentConfig, executor: Executor, model_path: str, local_target: Path | None) -> dict:
-    """The serving target's config.json: the local copy when the target is ours, else read on the host."""
-    if local_target is not None and (local_target / "config.json").is_file():
-        return read_target_config(local_target)
-    text = executor.read_file(f"{model_path}/config.json")
-    config = json.loads(text)
-    return {**config, **config.get("text_config", {})}
+def plan_placement(cfg: ExperimentConfig, executor: Executor, ctx: StageContext, draft_dir: Path,
+                   target_dir: Path | None) -> Placement:
+    """Where the host will find the target and the draft, and what must be uploaded there (nothing moves yet).
 
-
-def place(cfg: ExperimentConfig, executor: Executor, ctx: StageContext, draft_dir: Path, target_dir: Path | None) -> Placement:
-    """Upload the draft (and a tiny target) to the host's workdir; local hosts serve the files in place."""
+    A local host serves the files in place; a remote one gets the draft (and a tiny target, unless
+    deploy.model_path names the model to serve) in its workdir; any other target is served from
+    deploy.model_path, else target.model_path, as the host has it.
+    """
     host = host_config(cfg)
-    workdir = executor.expand_path(host.workdir if host else str(ctx.run_dir / "deploy_server"))
+    workdir = _workdir(cfg, executor, ctx)
     if host is None:
-        model = cfg.deploy.model_path or str(target_dir)
-        return Placement(executor, None, workdir, model, str(draft_dir))
+        return Placement(executor, None, workdir, cfg.deploy.model_path or str(target_dir), str(draft_dir))
     run_dir = f"{workdir}/runs/{ctx.run_dir.parent.name}/{ctx.run_dir.name}"
     draft_path = f"{run_dir}/draft-{_digest_of(draft_dir)}"
-    _upload(executor, draft_dir, draft_path)
+    uploads = {draft_path: Path(draft_dir)}
     model = cfg.deploy.model_path or cfg.target.model_path
     if cfg.target.kind == "tiny" and cfg.deploy.model_path is None:  # our own target: it travels too
         model = f"{workdir}/targets/{Path(target_dir).name}"
-        _upload(executor, Path(target_dir), model)
-    return Placement(executor, host, workdir, model, draft_path)
+        uploads[model] = Path(target_dir)
+    return Placement(executor, host, workdir, model, draft_path, uploads)
+
+
+def place(cfg: ExperimentConfig, executor: Executor, ctx: StageContext, draft_dir: Path, target_dir: Path | None) -> Placement:
+    """`plan_placement`, then the uploads it lists (verified, resumable, skipped when identical)."""
+    placement = plan_placement(cfg, executor, ctx, draft_dir, target_dir)
+    for remote, local in placement.uploads.items():
+        _upload(executor, local, remote)
+    return placement
+
+
+def served_model_planned(cfg: ExperimentConfig, placement: Placement) -> ServedModel:
+    """The model and draft the deployed launch will load, as the host has them (or will, once uploaded)."""
+    args = launch_args(cfg, model_path=placement.model_path, draft_path=placement.draft_path, port=cfg.deploy.port)
+    try:
+        return read_served_model(placement.executor, launch_paths(args), paths_from="launch command",
+                                 uploads=placement.uploads, cwd=placement.workdir)
+    except FileNotFoundError as err:
+        raise PreflightFailed(f"preflight failed: {err}") from err
+
+
+def served_model_reported(handle: ServerHandle, placement: Placement) -> ServedModel:
+    """The model and draft a running server says it loaded (/server_info), read on its host."""
+    paths, source = reported_paths(handle.server_info), "/server_info"
+    if paths is None:
+        paths, source = launch_paths(handle.argv), "launch command (/server_info reports no model_path)"
+    return read_served_model(placement.executor, paths, paths_from=source, cwd=placement.workdir)
 
 
 def _digest_of(folder: Path) -> str:
@@ -216,6 +272,24 @@ def _upload(executor: Executor, local: Path, remote: str) -> None:
 
 
 # ------------------------------------------------------------------ dry run
+
+
+def sglang_dry_run_batch(executor: Executor, argvs: list[list[str]]) -> list[dict] | None:
+    """SGLang's own resolution of several launch argvs in one process (the script's --batch-json), one answer
+    per argv; a script that could not answer (sglang not importable) answers the same error for each."""
+    if not DRY_RUN_SCRIPT.is_file() or not argvs:
+        return None
+    result = executor.run([executor.python, "-", "--batch-json", json.dumps(argvs)], stdin=DRY_RUN_SCRIPT.read_bytes(),
+                          check=False, log_output=False, timeout=600)
+    try:
+        answers = json.loads(result.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        answers = {"ok": False, "error": f"dry run printed no JSON (exit {result.exit_status}): {result.stderr[-500:]}"}
+    if isinstance(answers, list) and len(answers) == len(argvs):
+        return answers
+    if not isinstance(answers, dict):
+        answers = {"ok": False, "error": f"dry run answered {len(answers)} objects for {len(argvs)} launch argvs"}
+    return [answers] * len(argvs)
 
 
 def sglang_dry_run(executor: Executor, args: list[str]) -> dict | None:
@@ -250,15 +324,8 @@ def dry_run_findings(dry: dict | None, predicted: dict) -> list[Finding]:
 # ------------------------------------------------------------------ lifecycle
 
 
-def _registry_path(run_dir: Path) -> Path:
-    return Path(run_dir) / SERVERS_FILE
-
-
 def _record(run_dir: Path, handle: ServerHandle, status: str) -> None:
-    path = _registry_path(run_dir)
-    servers = json.loads(path.read_text()) if path.is_file() else {}
-    servers[f"{handle.host}:{handle.port}:{handle.pid}"] = {**handle.to_dict(), "status": status}
-    write_json_atomic(path, servers)
+    record_server(run_dir, f"{handle.host}:{handle.port}:{handle.pid}", {**handle.to_dict(), "status": status})
 
 
 def server_command(cfg: ExperimentConfig, python: str, args: list[str]) -> list[str]:
@@ -278,21 +345,23 @@ def launch(cfg: ExperimentConfig, placement: Placement, run_dir: Path, *, label:
     stamp = f"{label.replace(' ', '-').replace('/', '_')}-{int(time.time())}"
     logs = f"{placement.workdir}/logs"
     executor.makedirs(logs)
-    pid = executor.start_detached(argv, env=dict(cfg.deploy.env), cwd=placement.workdir,
+    pid = executor.start_detached(argv, env=cfg.deploy.server_env(), cwd=placement.workdir,
                                   log_file=f"{logs}/{stamp}.log", pid_file=f"{logs}/{stamp}.pid")
     handle = ServerHandle(label, executor.name, pid, port, f"{logs}/{stamp}.log", f"{logs}/{stamp}.pid", argv,
-                          spec is not None, asked=_asked(spec), effective=predicted or {})
+                          spec is not None, asked=_asked(spec), effective=dict(predicted or {}),
+                          predicted=dict(predicted or {}), allow_adjustments=bool(spec and spec.allow_adjustments),
+                          identity=executor.process_identity(pid) or "")
     _record(run_dir, handle, "starting")
     try:
         local_port = _open_tunnel(run_dir, handle, executor)
         handle.local_url = f"http://127.0.0.1:{local_port}"
         handle.server_info = wait_healthy(executor, handle, cfg.deploy.startup_timeout_s)
-        _verify_resolved(handle)
+        _verify_resolved(handle, enforce=cfg.deploy.preflight == "enforce")
     except BaseException:
         stop(run_dir, handle, executor)
         raise
     _record(run_dir, handle, "live")
-    logger().info(f"{label}: serving on {executor.name}:{port} (pid {pid}), reached at {handle.local_url}")
+    logger().info(f"{handle.label}: serving on {executor.name}:{port} (pid {pid}), reached at {handle.local_url}")
     return handle
 
 
@@ -328,12 +397,14 @@ def wait_healthy(executor: Executor, handle: ServerHandle, timeout_s: float) -> 
 
 
 def _relay_log(executor: Executor, handle: ServerHandle, shown: int) -> int:
-    """Forward new server log lines to the run log while waiting (the startup is where things go wrong)."""
-    with contextlib.suppress(CommandFailed):
-        lines = executor.read_file(handle.log_file).splitlines()
-        for line in lines[shown:]:
+    """Forward the log's new complete lines to the run log while waiting (the startup is where things go
+    wrong); only the lines after the `shown` ones cross (`tail -n +K`), never the whole log again."""
+    with contextlib.suppress(CommandFailed, FileNotFoundError):
+        text = executor.read_file(handle.log_file, from_line=shown + 1)
+        lines = text[:text.rfind("\n") + 1].split("\n")[:-1]  # a line still being written waits for its newline
+        for line in lines:
             logger().info(f"[{handle.label}] {line}")
-        return len(lines)
+        return shown + len(lines)
     return shown
 
 
@@ -344,56 +415,172 @@ def log_tail(executor: Executor, handle: ServerHandle, lines: int = LOG_TAIL_LIN
         return f"(log unreadable: {err})"
 
 
-def _verify_resolved(handle: ServerHandle) -> None:
-    """/server_info's resolved settings must be the predicted effective ones (else the server runs others)."""
+SPEC_INFO_KEYS = {"num_steps": "speculative_num_steps", "eagle_topk": "speculative_eagle_topk",
+                  "num_draft_tokens": "speculative_num_draft_tokens"}
+
+
+def reported_settings(server_info: dict) -> dict[str, int]:
+    """The speculative settings a server reports in /server_info (top level, else its first internal state)."""
+    states = server_info.get("internal_states") or [{}]
+    found = {}
+    for field_name, key in SPEC_INFO_KEYS.items():
+        value = server_info.get(key, states[0].get(key) if isinstance(states[0], dict) else None)
+        if value is not None:
+            found[field_name] = value
+    return found
+
+
+def _verify_resolved(handle: ServerHandle, enforce: bool = True) -> None:
+    """What /server_info reports becomes the handle's effective settings; it must be the prediction (else the
+    server runs others than were checked: an error, or under `deploy.preflight: warn` a warning and a new label)."""
     if not handle.speculative:
         return
-    info = handle.server_info
-    for field_name, key in (("num_steps", "speculative_num_steps"), ("eagle_topk", "speculative_eagle_topk"),
-                            ("num_draft_tokens", "speculative_num_draft_tokens")):
-        if key in info and handle.effective.get(field_name) is not None and info[key] != handle.effective[field_name]:
-            raise ServerFailed(f"{handle.label}: /server_info reports {key}={info[key]}, the preflight predicted "
-                               f"{handle.effective[field_name]}; the server does not run what was checked")
+    reported = reported_settings(handle.server_info)
+    if not reported:
+        handle.settings_source = "prediction"
+        logger().warning(f"{handle.label}: /server_info reports no speculative settings; what the server runs is "
+                         "unknown, its figures are reported under the preflight's prediction")
+        return
+    handle.settings_source = "/server_info"
+    handle.effective = {**handle.predicted, **reported}
+    differ = [f"{SPEC_INFO_KEYS[k]}={v} (the preflight predicted {handle.predicted.get(k)})"
+              for k, v in reported.items() if handle.predicted.get(k) is not None and v != handle.predicted[k]]
+    if not differ:
+        return
+    message = f"{handle.label}: /server_info reports {', '.join(differ)}; the server does not run what was checked"
+    if enforce:
+        raise ServerFailed(message)
+    if handle.label.startswith("speculative "):  # settings label their rows: the label says what runs
+        handle.label = f"speculative {setting_label(handle.effective)}"
+    logger().warning(f"{message}; serving anyway (deploy.preflight: warn), reported as {handle.label}")
 
 
-def stop(run_dir: Path, handle: ServerHandle, executor: Executor | None = None) -> None:
-    """Kill the server's process group, close its tunnel, check the port is free; idempotent."""
+def stop(run_dir: Path, handle: ServerHandle, executor: Executor | None = None) -> bool:
+    """Kill the server's process group, close its tunnel, check the port is free; idempotent.
+
+    True once it is stopped (or gone). Never raises for what goes wrong on the way (a host that no
+    longer answers, a full disk): False, the reason logged, the entry left unstopped in servers.json
+    for the run's teardown and `eagleops teardown` -- callers stop servers on their way out of an
+    error, which must stay the error.
+    """
     with _LIVE_LOCK:
         live = _LIVE.get(str(run_dir), {}).pop(handle.pid, None)
     executor = executor or (live or {}).get("executor")
     if live:
         live["tunnel"].close()
     if executor is None:
+        return False
+    try:
+        _kill_server(executor, handle)
+        _record(run_dir, handle, "stopped")
+    except Exception as err:  # whatever it is, the caller's own error and the other servers come first
+        logger().warning(f"{handle.label}: could not stop pid {handle.pid} on {executor.name}: {_one_line(err)}")
+        return False
+    logger().info(f"{handle.label}: stopped (pid {handle.pid} on {executor.name})")
+    return True
+
+
+def _kill_server(executor: Executor, handle: ServerHandle) -> None:
+    """The process group, only while its pid is still the process launched; then wait for the port."""
+    if not executor.kill_group(handle.pid, identity=handle.identity or None):
+        logger().warning(f"{handle.label}: pid {handle.pid} on {executor.name} is another process now: the server "
+                         "is gone, nothing was killed")
         return
-    executor.kill_group(handle.pid)
     deadline = time.monotonic() + 15
     while executor.port_in_use(handle.port) and time.monotonic() < deadline:
         time.sleep(0.5)
     if executor.port_in_use(handle.port):
         logger().warning(f"{handle.label}: port {handle.port} on {executor.name} is still in use after the teardown")
-    _record(run_dir, handle, "stopped")
-    logger().info(f"{handle.label}: stopped (pid {handle.pid} on {executor.name})")
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def teardown_run(run_dir: str | Path, cfg: ExperimentConfig | None = None) -> list[str]:
-    """Stop every server of a run that is not recorded as stopped (this process's, or a dead process's)."""
-    path = _registry_path(Path(run_dir))
-    if not path.is_file():
-        return []
+    """Stop every server of a run that is not recorded as stopped (this process's, or a dead process's), then
+    close the executors the run's servers held; -> the servers stopped.
+
+    Never raises for what it cannot do (a host that does not answer, a group already gone, an unreadable
+    servers.json): it logs why and goes on, so every server it can reach is stopped and the caller's own
+    error (the flow's `finally`) stays the error; `unstopped_servers` lists what is left. Each host is
+    connected to once (at most TEARDOWN_CONNECT_RETRIES retries). SIGINT/SIGTERM wait until it is done.
+    """
+    run_dir = Path(run_dir)
     stopped = []
-    for entry in json.loads(path.read_text()).values():
-        if entry.get("status") == "stopped":
-            continue
-        handle = ServerHandle(**{k: v for k, v in entry.items() if k != "status"})
-        with _LIVE_LOCK:
-            live = _LIVE.get(str(run_dir), {}).get(handle.pid)
-        executor = live["executor"] if live else _executor_for(handle.host, cfg)
-        if executor is None:
-            logger().warning(f"{handle.label}: cannot reach host {handle.host} to stop pid {handle.pid}")
-            continue
-        stop(Path(run_dir), handle, executor)
-        stopped.append(f"{handle.label} (pid {handle.pid} on {handle.host})")
+    with signals_held(logger(), f"the teardown of {run_dir.name}"):
+        hosts = _TeardownHosts(cfg)
+        try:
+            for handle in _unstopped_handles(run_dir):
+                if _teardown_one(run_dir, handle, hosts):
+                    stopped.append(f"{handle.label} (pid {handle.pid} on {handle.host})")
+        finally:
+            hosts.close()
+            _close_run_executors(run_dir)
     return stopped
+
+
+def unstopped_servers(run_dir: str | Path) -> list[str]:
+    """The servers servers.json records as not stopped: what a teardown could not stop."""
+    return [f"{h.label} (pid {h.pid} on {h.host})" for h in _unstopped_handles(Path(run_dir))]
+
+
+_HANDLE_FIELDS = {f.name for f in dataclasses.fields(ServerHandle)}
+
+
+def _unstopped_handles(run_dir: Path) -> list[ServerHandle]:
+    try:
+        entries = read_servers(run_dir)
+    except (OSError, ValueError) as err:
+        logger().warning(f"teardown: cannot read {registry_path(run_dir)}: {err}; its servers were not stopped")
+        return []
+    return [ServerHandle(**{k: v for k, v in entry.items() if k in _HANDLE_FIELDS})
+            for entry in entries.values() if entry.get("status") != "stopped"]
+
+
+def _teardown_one(run_dir: Path, handle: ServerHandle, hosts: _TeardownHosts) -> bool:
+    with _LIVE_LOCK:
+        live = _LIVE.get(str(run_dir), {}).get(handle.pid)
+    executor, why = (live["executor"], "") if live else hosts.executor(handle.host)
+    if executor is None:
+        logger().warning(f"{handle.label}: pid {handle.pid} on {handle.host} left running: {why}")
+        return False
+    return stop(run_dir, handle, executor)
+
+
+class _TeardownHosts:
+    """The executors a teardown opens itself, one per host, closed after it; a host it cannot reach is
+    tried once, and its other servers are skipped with the same reason."""
+
+    def __init__(self, cfg: ExperimentConfig | None):
+        self.cfg = cfg
+        self.opened: dict[str, Executor] = {}
+        self.unreachable: dict[str, str] = {}
+
+    def executor(self, host: str) -> tuple[Executor | None, str]:
+        if host not in self.opened and host not in self.unreachable:
+            try:
+                executor = _executor_for(host, self.cfg)
+            except Exception as err:  # ConnectError, HostKeyError, a missing key file: reported, never raised
+                self.unreachable[host] = f"cannot reach host {host}: {_one_line(err)}"
+            else:
+                if executor is None:
+                    self.unreachable[host] = f"host {host} is not in the config's hosts (pass the config)"
+                else:
+                    self.opened[host] = executor
+        return self.opened.get(host), self.unreachable.get(host, "")
+
+    def close(self) -> None:
+        for executor in self.opened.values():
+            executor.close()
+
+
+def _close_run_executors(run_dir: Path) -> None:
+    with _LIVE_LOCK:
+        executors = _RUN_EXECUTORS.pop(str(run_dir), [])
+    for executor in executors:
+        executor.close()
 
 
 def teardown_for_flow_run(parameters: dict, flow_run_id: str) -> list[str]:
@@ -416,7 +603,9 @@ def _executor_for(host: str, cfg: ExperimentConfig | None) -> Executor | None:
         return connect(None)
     if cfg is None or host not in {h.name for h in cfg.hosts}:
         return None
-    return connect(cfg.host(host), cfg.hosts)
+    config = cfg.host(host)
+    retries = min(config.connect_retries, TEARDOWN_CONNECT_RETRIES)
+    return connect(config.model_copy(update={"connect_retries": retries}), cfg.hosts)
 
 
 def live_handles(run_dir: Path) -> list[ServerHandle]:
@@ -440,11 +629,10 @@ def draft_dtype_served(draft_dir: Path, server_dtype: str = "auto") -> str:
     return "float16" if torch_dtype in ("float32", "float") else torch_dtype
 
 
-def prepare_and_launch(cfg: ExperimentConfig, ctx: StageContext, spec: SpeculativeConfig, label: str,
-                       placement: Placement, target_config: dict, draft_dir: Path,
-                       already_checked: bool = False) -> ServerHandle:
-    """Preflight one speculative setting on a placed draft, dry-run it where SGLang is, launch it."""
-    findings, predicted = preflight(cfg, spec, draft_dir, target_config, placement.model_path)
+def check_setting(cfg: ExperimentConfig, spec: SpeculativeConfig, label: str, placement: Placement,
+                  served: ServedModel, draft_dir: Path, already_checked: bool = False) -> dict:
+    """Preflight one speculative setting on a placed draft and dry-run it where SGLang is; -> the prediction."""
+    findings, predicted = preflight(cfg, spec, draft_dir, served, placement)
     if not already_checked:
         report_findings(findings, f"{label}: preflight failed", cfg.deploy.preflight == "enforce")
     if cfg.deploy.server == "sglang":
@@ -452,6 +640,14 @@ def prepare_and_launch(cfg: ExperimentConfig, ctx: StageContext, spec: Speculati
                            port=cfg.deploy.port, spec=spec)
         report_findings(dry_run_findings(sglang_dry_run(placement.executor, args), predicted),
                         f"{label}: SGLang's dry run disagrees", cfg.deploy.preflight == "enforce")
+    return predicted
+
+
+def prepare_and_launch(cfg: ExperimentConfig, ctx: StageContext, spec: SpeculativeConfig, label: str,
+                       placement: Placement, served: ServedModel, draft_dir: Path,
+                       already_checked: bool = False) -> ServerHandle:
+    """`check_setting`, then launch it."""
+    predicted = check_setting(cfg, spec, label, placement, served, draft_dir, already_checked)
     return launch(cfg, placement, ctx.run_dir, label=label, spec=spec, predicted=predicted)
 
 
@@ -461,28 +657,31 @@ def setting_label(effective: dict) -> str:
 
 @task(name="deploy_server", cache_policy=NO_CACHE)
 def deploy_server(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    from tasks.data import recorded_target_dir  # here: tasks.data imports this module
+
     exported = ctx.upstream["export_checkpoint"]["outputs"]
-    draft_dir, target_dir = Path(exported["sglang_dir"]), Path(exported["target_dir"])
-    local_target = target_dir if cfg.target.kind == "tiny" or cfg.deploy.host == "local" else None
-    executor = open_executor(cfg)
+    draft_dir, target_dir = Path(exported["sglang_dir"]), recorded_target_dir(cfg, ctx, exported["target_dir"])
+    executor = open_executor(cfg, ctx.run_dir)  # the run's teardown closes it: the server outlives this stage
     environment = check_host_environment(cfg, executor, _workdir(cfg, executor, ctx), draft_dir)
-    model_path = cfg.deploy.model_path or (str(target_dir) if local_target else cfg.target.model_path)
-    target_config = target_config_on_host(cfg, executor, model_path, local_target)
-    findings, predicted = preflight(cfg, cfg.deploy.speculative, draft_dir, target_config, model_path)
+    plan = plan_placement(cfg, executor, ctx, draft_dir, target_dir)
+    served = served_model_planned(cfg, plan)  # the model the host serves, read there (uploads: their local bytes)
+    findings, predicted = preflight(cfg, cfg.deploy.speculative, draft_dir, served, plan)
     report_findings(findings, "preflight failed", cfg.deploy.preflight == "enforce")  # before anything is uploaded
     placement = place(cfg, executor, ctx, draft_dir, target_dir)
     handle = prepare_and_launch(cfg, ctx, cfg.deploy.speculative, f"speculative {setting_label(predicted)}",
-                                placement, target_config, draft_dir, already_checked=True)
+                                placement, served, draft_dir, already_checked=True)
     served_dtype = draft_dtype_served(draft_dir)
     _log_to_mlflow(ctx, handle, findings, predicted, served_dtype, environment)
-    summary = {"server": handle.to_dict(), "asked": handle.asked, "effective": predicted,
-               "adjusted": {k: v for k, v in handle.asked.items() if v is not None and predicted.get(k) != v},
+    summary = {"server": handle.to_dict(), "asked": handle.asked, "effective": handle.effective,
+               "predicted": predicted, "settings_source": handle.settings_source,
+               "adjusted": {k: v for k, v in handle.asked.items() if v is not None and handle.effective.get(k) != v},
                "draft_dtype_served": served_dtype, "placement": {"host": executor.name, "model_path": placement.model_path,
                                                                 "draft_path": placement.draft_path,
                                                                 "workdir": placement.workdir},
+               "served_model": {k: v for k, v in served.to_dict().items() if k != "target_config"},
                "preflight": [asdict(f) for f in findings]}
     ctx.write_json("server.json", summary)
-    return {**summary, "metrics": {"speculative_num_draft_tokens": predicted["num_draft_tokens"] or 0},
+    return {**summary, "metrics": {"speculative_num_draft_tokens": handle.effective["num_draft_tokens"] or 0},
             "outputs": {"server_log": handle.log_file, "local_url": handle.local_url}}
 
 
@@ -497,7 +696,8 @@ def _log_to_mlflow(ctx: StageContext, handle: ServerHandle, findings: list[Findi
     run.log_params({"host": handle.host, "port": handle.port, "launch_command": " ".join(handle.argv),
                     "draft_dtype_served": served_dtype,
                     **{f"asked.{k}": v for k, v in handle.asked.items()},
-                    **{f"effective.{k}": v for k, v in predicted.items()}})
+                    **{f"predicted.{k}": v for k, v in predicted.items()},
+                    **{f"effective.{k}": v for k, v in handle.effective.items()}})
     run.log_dict(handle.server_info, "server/server_info.json")
     run.log_text(" ".join(handle.argv) + "\n", "server/launch_command.txt")
     run.log_dict([asdict(f) for f in findings], "server/preflight.json")

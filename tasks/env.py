@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.environment import Check, Needs, evaluate, gather_facts, hidden_state_bytes, overall_status
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
+from tasks.secrets import redact
 
 
 class EnvironmentCheckFailed(RuntimeError):
@@ -25,25 +26,29 @@ class EnvironmentCheckFailed(RuntimeError):
 
 
 def needs_for(cfg: ExperimentConfig) -> Needs:
-    """What the experiment asks of the machine that runs its stages."""
-    # Training here asks for a GPU only for bf16: devices > 1 on a CPU is torchrun with gloo; train.nodes train elsewhere.
-    gpu = (cfg.train.precision == "bf16" and not cfg.train.nodes) or cfg.target.kind == "hf"
+    """What the experiment asks of this machine: only what runs here (the data stage on data.host,
+    training on train.nodes and the servers on deploy.host ask their own hosts, checked there)."""
+    data_here, train_here = cfg.data.host == "local", not cfg.train.nodes
+    # Training here asks for a GPU only for bf16: devices > 1 on a CPU is torchrun with gloo.
+    gpu = (train_here and cfg.train.precision == "bf16") or (data_here and cfg.target.kind == "hf")
     return Needs(
         gpu=gpu,
         flash_attn=gpu,
-        sglang=cfg.deploy.server == "sglang" and cfg.deploy.host == "local",
-        disk_bytes=data_stage_bytes(cfg),
+        sglang=(cfg.deploy.server == "sglang" and cfg.deploy.host == "local")
+        or (data_here and cfg.target.engine == "sglang"),
+        disk_bytes=data_stage_bytes(cfg) if data_here else 0,
     )
 
 
 def data_stage_bytes(cfg: ExperimentConfig) -> int:
-    """Upper bound of what generate_data writes: tokens x (aux layers + last) x hidden x dtype bytes."""
+    """Upper bound of what generate_data writes: tokens x (aux layers + last) x hidden in the dump's dtype
+    (`data.hidden_states_dtype`, fp8 scales included)."""
     if cfg.data.hidden_states != "offline":
         return 0
     hidden = _target_hidden_size(cfg)
     num_aux = len(set(cfg.target.aux_layer_ids)) if cfg.target.aux_layer_ids else 3
-    dtype_bytes = 4 if cfg.target.dtype == "float32" else 2
-    return hidden_state_bytes(cfg.data.num_samples * cfg.data.max_length, hidden, num_aux, dtype_bytes)
+    return hidden_state_bytes(cfg.data.num_samples * cfg.data.max_length, hidden, num_aux,
+                              dtype=cfg.data.hidden_states_dtype)
 
 
 def _target_hidden_size(cfg: ExperimentConfig) -> int:
@@ -76,7 +81,8 @@ def check_environment(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         log(f"{check.name}: {check.status}: {check.reason}")
     ctx.mlflow.log_dict(report, "environment/report.json")
     ctx.mlflow.log_params({f"env.{c.name}": f"{c.status}: {c.reason}" for c in checks} | {"env.hostname": facts.hostname})
-    create_markdown_artifact(markdown_report(checks), key="environment-report", description="eagleops environment checks")
+    create_markdown_artifact(redact(markdown_report(checks)), key="environment-report",
+                             description="eagleops environment checks")
     failed = [c for c in checks if c.status == "fail"]
     if failed:
         raise EnvironmentCheckFailed("; ".join(f"{c.name}: {c.reason}" for c in failed))

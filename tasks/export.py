@@ -18,6 +18,7 @@ from eagle3.config import ExportConfig
 from eagle3.export import TRAINING_RECORD
 from eagle3.export import export_checkpoint as run_export
 from tasks.config import ExperimentConfig
+from tasks.data import recorded_target_dir
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
 
@@ -36,7 +37,7 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     checkpoint = trained["outputs"]["checkpoint"]
     if not checkpoint:
         raise ValueError("train_draft produced no checkpoint to export")
-    target_dir = Path(trained["outputs"]["target_dir"])
+    target_dir = recorded_target_dir(cfg, ctx, trained["outputs"]["target_dir"])
     result = run_export(Path(checkpoint), target_dir, export_settings(cfg, target_dir), ctx.stage_dir)
     if "sglang" in result["formats"] and trained.get("training_record"):
         record = {**trained["training_record"], "simulated_accept_length": trained.get("simulated_accept_length"),
@@ -52,5 +53,5 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         shown = version or "pending (MLflow is unreachable: registered by `eagleops sync`)"
         logger().info(f"registered {cfg.export.registered_model} version {shown}")
         outputs["registered_model_version"] = f"{cfg.export.registered_model}/{shown}"
-    digest = digest_json([digest_paths(result["formats"].values()), str(target_dir.resolve())])
+    digest = digest_json([digest_paths(result["formats"].values()), ctx.upstream_digests.get("train_draft")])
     return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs, "output_digest": digest}

@@ -11,7 +11,8 @@ asked value that SGLang would change is an error unless the config opts into adj
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eagle3.serving.sglang_args import SpecResolution, resolve_speculative_args
@@ -29,6 +30,7 @@ class Finding:
     level: str  # error | warning | info
     check: str
     message: str
+    field: str = ""  # the config field it is about (dotted, list items by index: bench.sweep.0), for file:line
 
     def line(self) -> str:
         return f"{self.check}: {self.message}"
@@ -62,12 +64,28 @@ def launch_args(cfg: ExperimentConfig, *, model_path: str, draft_path: str | Non
     return args + list(deploy.extra_args)
 
 
+def read_model_config(folder: str | Path) -> dict | None:
+    """A local model folder's config.json (None when there is none); ValueError naming the file when it is
+    not a JSON object (truncated, a list, not UTF-8)."""
+    path = Path(folder).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON config ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a {type(config).__name__}")
+    return config
+
+
 def target_architecture(cfg: ExperimentConfig, model_dir: str | Path | None = None) -> str | None:
     """`architectures[0]` of the target: from a readable config.json, the declared shape, or the tiny target."""
     for folder in (model_dir, cfg.target.model_path):
-        config = Path(folder or "", "config.json")
-        if folder and config.is_file():
-            return json.loads(config.read_text()).get("architectures", [None])[0]
+        config = read_model_config(folder) if folder else None
+        if config is not None:
+            archs = config.get("architectures")
+            return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if cfg.target.shape:
         return cfg.target.shape.architecture
     return "LlamaForCausalLM" if cfg.target.kind == "tiny" else None
@@ -111,7 +129,65 @@ def effective_settings(spec: SpeculativeConfig, res: SpecResolution) -> dict[str
 
 
 def validate_launch(cfg: ExperimentConfig) -> list[Finding]:
-    """The launch-flag check behind `eagleops validate`: the config's speculative setting against SGLang's rules."""
-    args = launch_args(cfg, model_path=cfg.deploy.model_path or cfg.target.model_path or "TARGET",
-                       draft_path="DRAFT", port=cfg.deploy.port)
-    return settings_findings(cfg.deploy.speculative, predict(cfg, args, target_architecture(cfg)))
+    """The launch-flag check behind `eagleops validate`: the model folders readable here, then the config's
+    speculative setting and every bench.sweep setting against SGLang's rules."""
+    problems = model_config_findings(cfg)
+    if problems:
+        return problems
+    model_path = cfg.deploy.model_path or cfg.target.model_path or "TARGET"
+    architecture = target_architecture(cfg, cfg.deploy.model_path)
+    args = launch_args(cfg, model_path=model_path, draft_path="DRAFT", port=cfg.deploy.port)
+    findings = [replace(f, field=f.field or _field_of(f.message, cfg.deploy.extra_args))
+                for f in settings_findings(cfg.deploy.speculative, predict(cfg, args, architecture))]
+    for i, spec in enumerate(cfg.bench.sweep):
+        args = launch_args(cfg, model_path=model_path, draft_path="DRAFT", port=cfg.deploy.port, spec=spec)
+        findings += sweep_setting_findings(i, spec, predict(cfg, args, architecture))
+    return findings
+
+
+def _field_of(message: str, extra_args: list[str]) -> str:
+    """deploy.extra_args when SGLang's message is about one of its flags (--speculative-adaptive-config is
+    `speculative_adaptive_config` there), else deploy.speculative."""
+    flags = {a.lstrip("-").replace("-", "_") for a in extra_args if a.startswith("--")}
+    return "deploy.extra_args" if any(re.search(rf"\b{re.escape(f)}\b", message) for f in flags) else \
+        "deploy.speculative"
+
+
+def sweep_setting_findings(index: int, spec: SpeculativeConfig, res: SpecResolution) -> list[Finding]:
+    """A bench.sweep setting: what SGLang refuses is an error; a rewrite runs, reported under SGLang's values."""
+    field = f"bench.sweep.{index}"
+    findings = [Finding("error", "sglang_settings", e, field) for e in res.errors + res.runtime_errors]
+    if findings:
+        return findings
+    for name, key in SPEC_FIELDS.items():
+        asked, effective = getattr(spec, name), getattr(res, key)
+        if asked is not None and asked != effective:
+            findings.append(Finding("info", "sglang_settings", f"bench.sweep[{index}].{name}: asked {asked}, SGLang "
+                                    f"runs {effective} ({_rewrite_reason(res)}); reported under {effective}", field))
+    return findings
+
+
+def model_config_findings(cfg: ExperimentConfig) -> list[Finding]:
+    """The config.json of each model folder the config names that is readable here: a JSON object with an
+    architecture, and deep enough for target.aux_layer_ids (no id can select a layer past the last one)."""
+    findings = []
+    for field in ("deploy.model_path", "target.model_path"):
+        folder = getattr(getattr(cfg, field.split(".")[0]), "model_path")
+        try:
+            config = read_model_config(folder) if folder else None
+        except ValueError as err:
+            findings.append(Finding("error", "model_config", str(err), field))
+            continue
+        if config is None:
+            continue
+        if target_architecture(cfg, folder) is None:
+            findings.append(Finding("error", "model_config", f"{folder}/config.json: 'architectures' must be a "
+                                    "non-empty list of names (SGLang picks the model class by it)", field))
+        text_config = config.get("text_config")
+        layers = config.get("num_hidden_layers", text_config.get("num_hidden_layers")
+                            if isinstance(text_config, dict) else None)
+        ids = cfg.target.aux_layer_ids or []
+        if isinstance(layers, int) and ids and max(ids) > layers:
+            findings.append(Finding("error", "model_config", f"target.aux_layer_ids {ids}: id {max(ids)} is past "
+                                    f"the {layers} decoder layers of {folder}", "target.aux_layer_ids"))
+    return findings

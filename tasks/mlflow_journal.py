@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.rundir import write_json_atomic
-from tasks.secrets import redact
+from tasks.secrets import redact, redact_obj
 
 JOURNAL_FILE = "mlflow-journal.jsonl"
 STATE_FILE = "mlflow-journal.state.json"
@@ -66,7 +66,9 @@ class Journal:
         self.run_dir = self.path.parent
 
     def append(self, op: str, run_id: str, time_ms: int, args: dict[str, Any]) -> None:
-        line = redact(json.dumps({"op": op, "run": run_id, "time": time_ms, "args": args}, default=str))
+        # Redacted before serialising too: json.dumps escapes a secret with `"`, `\` or non-ASCII characters.
+        entry = redact_obj({"op": op, "run": run_id, "time": time_ms, "args": args})
+        line = redact(json.dumps(entry, default=str))
         with _append_lock, self.path.open("a") as f:
             f.write(line + "\n")
 

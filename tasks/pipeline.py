@@ -11,15 +11,20 @@ Stages that measure or touch other machines (`always_run`) run every time. So ch
 consumes the new checkpoint, and a changed secret re-runs nothing (secrets are masked before
 hashing). A failure is recorded everywhere (manifest, child and parent run FAILED) and
 re-raised so the flow stops; an interrupt (Ctrl-C, SIGTERM) is recorded as `interrupted`
-and KILLED. Nothing a stage already wrote is deleted.
+and KILLED. Nothing a stage already wrote is deleted. A resumed folder uses the runs root it
+lives in now, not the config's (`_settle_in`): a moved or copied run folder finds its
+tiny-target cache and local MLflow store there, and output digests hold no absolute path,
+so nothing re-runs because a path changed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +34,13 @@ from prefect.exceptions import MissingContextError
 
 from eagle3.training.trainer import RESUMABLE_FIELDS
 from tasks.config import ExperimentConfig, config_hash, flatten, masked_dict, masked_yaml, secret_values
-from tasks.mlflow_journal import journal_path
-from tasks.rundir import RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
+from tasks.config_reads import covered, recording_reads
+from tasks.diskspace import describe_disk_full, disk_full_error
+from tasks.mlflow_journal import is_placeholder, journal_path
+from tasks.mlflow_store import has_run, relocate_local_store
+from tasks.rundir import MANIFEST, RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
 from tasks.secrets import install_log_redaction, redact, register_secrets
+from tasks.system_metrics import system_metrics
 from tasks.tracking import (
     RunLogger,
     eagleops_version,
@@ -39,43 +48,102 @@ from tasks.tracking import (
     mark_run,
     reopen_run,
     run_tags,
+    short_error,
     start_child_run,
     start_parent_run,
+    store_errors_reported_by_caller,
     sync_before_resume,
     tracking_uri_for,
 )
 
 
 @dataclass(frozen=True)
+class Reads:
+    """Fields a stage reads only when `when(cfg)` holds: `config` are then inputs, `operational` read but not."""
+
+    when: Callable[[ExperimentConfig], bool]
+    config: tuple[str, ...] = ()
+    operational: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StageSpec:
-    """What a stage reads: config fields (dotted prefixes, minus `ignore`) and upstream stages."""
+    """What a stage reads: its inputs (dotted config prefixes, minus `operational`), the fields it reads that
+    never change its outputs (`operational`: how fast, from where, how often it reports), reads that depend on
+    the config (`when`), and upstream stages. A field a stage reads is an input or operational, nothing else:
+    `undeclared_reads` names the rest, and the pipeline checks every attempt against it."""
 
     config: tuple[str, ...] = ()
-    ignore: tuple[str, ...] = ()
+    operational: tuple[str, ...] = ()
+    when: tuple[Reads, ...] = ()
     needs: tuple[str, ...] = ()  # upstream outputs it cannot run without
     uses: tuple[str, ...] = ()  # upstream outputs it reads when they exist (offline figures)
     always_run: bool = False  # a measurement or a side effect on another machine: never reused
+
+    def inputs(self, cfg: ExperimentConfig) -> tuple[str, ...]:
+        return self.config + tuple(f for extra in self.when if extra.when(cfg) for f in extra.config)
+
+    def operational_fields(self, cfg: ExperimentConfig) -> tuple[str, ...]:
+        return self.operational + tuple(f for extra in self.when if extra.when(cfg) for f in extra.operational)
+
+
+def _regeneration_servers(cfg: ExperimentConfig) -> bool:
+    """The data stage starts servers of the target (deploy.server, deploy.model_path, ...) to regenerate."""
+    regen = cfg.data.regenerate
+    return regen.enabled and regen.backend != "local" and regen.deploy is not None
+
+
+def _speculators_verifier_from_paths(cfg: ExperimentConfig) -> bool:
+    """The speculators export names its verifier after deploy.model_path or target.model_path."""
+    return "speculators" in cfg.export.formats and cfg.export.verifier_name_or_path is None
 
 
 # Regeneration settings that change how fast answers arrive, not which answers.
 _DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in (
     "concurrency", "retries", "timeout_s", "backoff_s", "api_key", "endpoint", "endpoints", "deploy", "max_failed_fraction"))
+# How the SGLang capture runner batches and sizes its memory, not which hidden states it writes.
+_CAPTURE_OPERATIONAL = ("data.capture.max_batch_tokens", "data.capture.mem_fraction_static")
+# Where the runs root and its tiny-target cache are (a moved run folder re-runs nothing), how many CPU
+# threads build the tiny target, how the SSH inventory reaches a host.
+_WHERE = ("runs_root", "target.tiny.num_threads", "hosts")
+# A later stage finds the target the data stage recorded (by content, in the upstream digest).
+_FINDS_TARGET = ("target.kind", "target.tiny", "target.model_path")
+# How a server of the target is started: its port, environment, memory, patience (not what it serves).
+_SERVER_OPERATIONAL = tuple(f"deploy.{k}" for k in (
+    "port", "env", "tp", "mem_fraction_static", "max_running_requests", "enable_metrics", "startup_timeout_s",
+    "preflight"))
 
 STAGE_SPECS: dict[str, StageSpec] = {
     "check_environment": StageSpec(config=("target", "data", "train", "deploy", "hosts", "runs_root"), always_run=True),
-    "generate_data": StageSpec(config=("target", "data"), ignore=_DATA_OPERATIONAL + ("target.tiny.num_threads",)),
+    "generate_data": StageSpec(
+        config=("target", "data"), operational=_DATA_OPERATIONAL + _CAPTURE_OPERATIONAL + _WHERE,
+        # the servers it starts serve deploy.model_path (or the target) with deploy.server and deploy.extra_args
+        when=(Reads(_regeneration_servers, config=("deploy.server", "deploy.model_path", "deploy.extra_args"),
+                    operational=_SERVER_OPERATIONAL),),
+    ),
     "train_draft": StageSpec(
         config=("train", "data.draft_vocab_size", "data.hidden_states", "target.dtype"),
-        ignore=tuple(f"train.{k}" for k in RESUMABLE_FIELDS), needs=("generate_data",),
+        operational=tuple(f"train.{k}" for k in RESUMABLE_FIELDS) + _WHERE + _FINDS_TARGET, needs=("generate_data",),
     ),
-    "export_checkpoint": StageSpec(config=("export",), needs=("train_draft",)),
-    "deploy_server": StageSpec(config=("deploy", "hosts", "target.model_path"), needs=("export_checkpoint",),
+    "export_checkpoint": StageSpec(
+        config=("export",), operational=_WHERE + ("target.kind", "target.tiny"), needs=("train_draft",),
+        # the verifier the speculators config names; the sglang format has none, so then they are only looked at
+        when=(Reads(_speculators_verifier_from_paths, config=("deploy.model_path", "target.model_path")),
+              Reads(lambda cfg: not _speculators_verifier_from_paths(cfg),
+                    operational=("deploy.model_path", "target.model_path"))),
+    ),
+    "deploy_server": StageSpec(config=("deploy", "hosts", "target", "experiment", "runs_root"),
+                               needs=("export_checkpoint",), always_run=True),
+    "run_benchmark": StageSpec(config=("bench", "deploy", "hosts", "target", "data.max_length", "experiment",
+                                       "runs_root"),
+                               needs=("deploy_server",), uses=("generate_data", "train_draft", "export_checkpoint"),
                                always_run=True),
-    "run_benchmark": StageSpec(config=("bench", "deploy"), needs=("deploy_server",),
-                               uses=("generate_data", "train_draft", "export_checkpoint"), always_run=True),
-    "report": StageSpec(uses=("generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"),
+    "report": StageSpec(config=("experiment",),
+                        uses=("generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"),
                         always_run=True),
 }
+# Set (the test suite does) to fail a stage that read a field its spec does not declare, instead of a warning.
+STRICT_READS_ENV = "EAGLEOPS_STRICT_STAGE_READS"
 STAGES = list(STAGE_SPECS)
 # Stages that run whatever --stages says: the report summarises whatever ran.
 ALWAYS_SELECTED = {"report"}
@@ -85,8 +153,21 @@ class StageFailed(RuntimeError):
     """A stage raised; the message names the stage and its error."""
 
 
+class UndeclaredReads(RuntimeError):
+    """A stage read a config field its StageSpec does not declare (see Pipeline._check_reads)."""
+
+
 class SelectionError(StageFailed):
     """A stage cannot run: an upstream output it needs is not available in this run folder."""
+
+
+class DiskFull(StageFailed):
+    """A stage failed because its disk filled; `detail` says what filled, where and what is free now."""
+
+    def __init__(self, stage: str, detail: str, run_dir: Path, config_path: str):
+        self.stage, self.detail, self.run_dir = stage, detail, run_dir
+        super().__init__(f"{stage} failed: {detail}; free space, then resume with: "
+                         f"eagleops run {config_path} --run-dir {run_dir}")
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -151,16 +232,20 @@ def stage_inputs(cfg: ExperimentConfig, name: str, upstream_digests: dict[str, s
     """The config fields a stage reads (flattened, secrets masked) and its upstream digests."""
     spec = STAGE_SPECS[name]
     flat = flatten(masked_dict(cfg))
-    fields = {
-        key: value for key, value in flat.items()
-        if any(key == p or key.startswith(p + ".") for p in spec.config)
-        and not any(key == p or key.startswith(p + ".") for p in spec.ignore)
-    }
+    inputs, operational = spec.inputs(cfg), spec.operational_fields(cfg)
+    fields = {key: value for key, value in flat.items() if covered(key, inputs) and not covered(key, operational)}
     upstream = {u: upstream_digests.get(u) for u in spec.needs + spec.uses}
     if name == "train_draft" and cfg.train.init_checkpoint:  # a file input named by the config: its content counts
         start = Path(cfg.train.init_checkpoint)
         upstream["init_checkpoint"] = digest_paths([start]) if start.exists() else "missing"
     return {"config": fields, "upstream": upstream, "version": version}
+
+
+def undeclared_reads(name: str, cfg: ExperimentConfig, reads: set[str], spec: StageSpec | None = None) -> list[str]:
+    """The fields a stage read that its StageSpec (or `spec`) neither takes as inputs nor lists as operational."""
+    spec = spec or STAGE_SPECS[name]
+    declared = spec.inputs(cfg) + spec.operational_fields(cfg)
+    return sorted(field for field in reads if not covered(field, declared))
 
 
 def describe_changes(before: dict, after: dict) -> str:
@@ -197,6 +282,9 @@ class Pipeline:
         register_secrets(secret_values(cfg))
         install_log_redaction()
         self.cfg, self.config_path, self.selected = cfg, config_path, selected
+        # Where runs go is not what they run: a folder moved to another runs root (and a config edited to
+        # name it) keeps its MLflow parent run.
+        self.config_hash = config_hash(cfg.model_copy(update={"runs_root": ""}))
         self.version = eagleops_version()
         self.digests: dict[str, str] = {}
         self.results: dict[str, dict[str, Any]] = {}
@@ -210,34 +298,52 @@ class Pipeline:
     # ------------------------------------------------------------------ setup
 
     def _open_run_dir(self, config_path: str, run_dir: str | None) -> RunDirectory:
-        header = {"config_path": str(config_path), "config_hash": config_hash(self.cfg), "eagleops_version": self.version}
+        header = {"config_path": str(Path(config_path).resolve()), "config_hash": self.config_hash,
+                  "eagleops_version": self.version}
         if run_dir is None:
             run = RunDirectory.create(self.cfg.runs_root, self.cfg.experiment, header)
         else:
+            self._settle_in(RunDirectory.open(run_dir))
             sync_before_resume(run_dir, tracking_uri_for(self.cfg))  # what an earlier offline run journaled
             run = RunDirectory.open(run_dir)
-            if run.manifest.get("experiment") != self.cfg.experiment:
-                raise ValueError(
-                    f"{run.path}: run of experiment '{run.manifest.get('experiment')}', "
-                    f"not '{self.cfg.experiment}'"
-                )
             run.update(**header)
         (run.path / "config.yaml").write_text(masked_yaml(self.cfg))
         logger().info(f"run directory: {run.path}")
         return run
 
+    def _settle_in(self, run: RunDirectory) -> None:
+        """A resumed folder uses the runs root it lives in now (it may have moved since it was written): that
+        root's tiny-target cache and local MLflow store, whose artifact URIs are re-pointed after a move."""
+        if run.manifest.get("experiment") != self.cfg.experiment:
+            raise ValueError(f"{run.path}: run of experiment '{run.manifest.get('experiment')}', "
+                             f"not '{self.cfg.experiment}'")
+        if run.runs_root is not None and run.runs_root != Path(self.cfg.runs_root).resolve():
+            logger().info(f"{run.path} lives in runs root {run.runs_root} (the config says {self.cfg.runs_root}): "
+                          "using that one")
+            self.cfg = self.cfg.model_copy(update={"runs_root": str(run.runs_root)})
+        store = run.manifest.get("mlflow", {}).get("tracking_uri")
+        if relocate_local_store(run.recorded_tracking_uri, store):
+            logger().info(f"MLflow store {store} moved from {run.recorded_tracking_uri}: artifact locations "
+                          "re-pointed to the folder beside it")
+
+    def _known_to_store(self, tracking_uri: str, run_id: str) -> bool:
+        """False only for a local store that lacks the run (the folder was copied without its store)."""
+        return is_placeholder(run_id) or has_run(tracking_uri, run_id)
+
     def _open_parent_run(self, config_path: str, flow_run_id: str) -> RunLogger:
         tags = {
             "prefect.flow_run_id": flow_run_id,
             "mlflow.source.git.commit": git_commit(Path(__file__).parent),
-            "eagleops.config_hash": config_hash(self.cfg),
+            "eagleops.config_hash": self.config_hash,
             "eagleops.version": self.version,
             "eagleops.run_dir": str(self.run.path),
             **run_tags(self.cfg),
         }
         previous = self.run.manifest.get("mlflow", {})
-        same_config = previous.get("config_hash") == config_hash(self.cfg)
-        if previous.get("parent_run_id") and same_config and previous.get("tracking_uri") == tracking_uri_for(self.cfg):
+        same_config = previous.get("config_hash") == self.config_hash
+        same_store = previous.get("tracking_uri") == tracking_uri_for(self.cfg)
+        if previous.get("parent_run_id") and same_config and same_store \
+                and self._known_to_store(previous["tracking_uri"], previous["parent_run_id"]):
             parent = reopen_run(previous["tracking_uri"], previous["parent_run_id"], journal_path(self.run.path))
             parent.set_tags({"prefect.flow_run_id": flow_run_id})
         else:
@@ -247,7 +353,7 @@ class Pipeline:
                 parent.set_tags({"eagleops.resumed_from": previous["parent_run_id"]})
         flow_runs = self.run.manifest.get("prefect_flow_run_ids", []) + [flow_run_id]
         self.run.update(
-            mlflow={"tracking_uri": parent.tracking_uri, "parent_run_id": parent.run_id, "config_hash": config_hash(self.cfg)},
+            mlflow={"tracking_uri": parent.tracking_uri, "parent_run_id": parent.run_id, "config_hash": self.config_hash},
             prefect_flow_run_ids=flow_runs,
         )
         logger().info(f"MLflow parent run {parent.run_id} at {parent.tracking_uri}")
@@ -258,7 +364,7 @@ class Pipeline:
         for name, attempt in self.run.interrupted_attempts():
             logger().warning(f"{name}: attempt {attempt['attempt']} was interrupted (its process died); "
                              "it resumes in place if its inputs are unchanged")
-            if attempt.get("mlflow_run_id"):
+            if attempt.get("mlflow_run_id") and self._known_to_store(self.parent.tracking_uri, attempt["mlflow_run_id"]):
                 mark_run(self.parent.tracking_uri, attempt["mlflow_run_id"], "KILLED", self.parent.journal)
             self.run.update_attempt(name, attempt, status="interrupted", error="the process running it died")
 
@@ -352,44 +458,89 @@ class Pipeline:
         self.current_stage = name
         start = time.monotonic()
         try:
-            summary = task(self.cfg, ctx) or {}
+            with system_metrics(self.cfg.tracking.log_system_metrics, child), recording_reads(self.cfg) as reads:
+                summary = task(self.cfg, ctx) or {}
+            self._check_reads(name, reads)
         except BaseException as err:
-            self._record_failure(name, attempt, child, err, start)
+            recorded = self._record_failure(name, attempt, child, err, start)
             if is_interrupt(err):
                 raise
+            if (full := disk_full_error(err)) is not None:
+                raise self._disk_full(name, full, stage_dir, recorded) from err
             raise StageFailed(f"{name} failed: {redact(str(err))}") from err
         self.current_stage = None
-        return self._record_success(name, attempt, child, summary, start)
+        try:
+            return self._record_success(name, attempt, child, summary, start, reads)
+        except OSError as err:  # the stage's work is done, but its record does not fit on the disk
+            if (full := disk_full_error(err)) is None:
+                raise
+            raise self._disk_full(name, full, stage_dir, recorded=False) from err
 
-    def _record_success(self, name, attempt, child: RunLogger, summary: dict, start: float) -> dict[str, Any]:
+    def _disk_full(self, name: str, full: BaseException, stage_dir: Path, recorded: bool) -> DiskFull:
+        detail = describe_disk_full(full, stage_dir)
+        if not recorded:
+            detail += (f"; {MANIFEST} could not be updated either and keeps its previous content (the next run "
+                       "closes the attempt as interrupted)")
+        return DiskFull(name, redact(detail), self.run.path, self.config_path)
+
+    def _check_reads(self, name: str, reads: set[str]) -> None:
+        """A field the stage read that its spec does not declare would leave its fingerprint stale: a warning,
+        or (with STRICT_READS_ENV set, as in the tests) the stage's failure."""
+        undeclared = undeclared_reads(name, self.cfg, reads)
+        if not undeclared:
+            return
+        message = (f"{name} read {', '.join(undeclared)}, which STAGE_SPECS['{name}'] in tasks/pipeline.py neither "
+                   "takes as inputs nor lists as operational: changing them would not re-run it")
+        if os.environ.get(STRICT_READS_ENV):
+            raise UndeclaredReads(message)
+        logger().warning(message)
+
+    def _record_success(self, name, attempt, child: RunLogger, summary: dict, start: float,
+                        reads: set[str]) -> dict[str, Any]:
         wall = elapsed_since(start)
         summary = {**summary, "wall_time_s": wall}
         digest = summary.pop("output_digest", None) or digest_json(summary.get("outputs", {}))
-        write_json_atomic(Path(attempt["dir"]) / "summary.json", summary)
+        write_json_atomic(Path(attempt["dir"]) / "summary.json", self.run.portable(summary))
         child.log_metrics({"wall_time_s": wall, **_numbers(summary.get("metrics", {}))})
         child.finish("FINISHED")
         self.parent.log_metrics({f"{name}.{k}": v for k, v in _numbers(summary.get("metrics", {})).items()})
         self.parent.log_metrics({f"{name}.wall_time_s": wall})
         self.run.update_attempt(name, attempt, status="completed", finished=now_iso(), wall_time_s=wall,
-                                summary=summary, outputs=summary.get("outputs", {}), output_digest=digest)
+                                summary=summary, outputs=summary.get("outputs", {}), output_digest=digest,
+                                config_reads=sorted(reads))
         logger().info(f"{name}: completed in {wall:.1f}s")
         return self._remember(name, digest, summary)
 
-    def _record_failure(self, name, attempt, child: RunLogger, err: BaseException, start: float) -> None:
+    def _record_failure(self, name, attempt, child: RunLogger, err: BaseException, start: float) -> bool:
+        """Record the failed or interrupted attempt (manifest, MLflow); False when the manifest could not be written."""
         interrupted = is_interrupt(err)
         detail = redact("".join(traceback.format_exception_only(type(err), err)).strip())
         status = "interrupted" if interrupted else "failed"
         if interrupted:
             detail = f"interrupted ({type(err).__name__})"
-        self.run.update_attempt(name, attempt, status=status, finished=now_iso(), wall_time_s=elapsed_since(start),
-                                error=detail)
+        recorded = self._update_attempt_if_possible(name, attempt, status=status, finished=now_iso(),
+                                                    wall_time_s=elapsed_since(start), error=detail)
         try:
-            child.set_tags({"eagleops.error": detail[:5000]})
-            child.finish("KILLED" if interrupted else "FAILED")
+            with store_errors_reported_by_caller():
+                child.set_tags({"eagleops.error": detail[:5000]})
+                child.finish("KILLED" if interrupted else "FAILED")
         except Exception as tracking_err:  # the manifest already holds the truth; say why MLflow does not
-            logging.getLogger("eagleops").warning(f"{name}: could not record the {status} state in MLflow: {tracking_err}")
+            logging.getLogger("eagleops").warning(f"{name}: could not record the {status} state in MLflow: "
+                                                  f"{short_error(tracking_err)}")
         if not interrupted:
             logger().error(f"{name}: failed: {detail}")
+        return recorded
+
+    def _update_attempt_if_possible(self, name: str, attempt: dict[str, Any], **fields: Any) -> bool:
+        """update_attempt on the way out of a failure: a manifest that cannot be written (a full disk) keeps
+        its previous content (the write is atomic) and is reported, never raised over the stage's own error."""
+        try:
+            self.run.update_attempt(name, attempt, **fields)
+        except OSError as err:
+            logging.getLogger("eagleops").warning(f"{name}: could not record the {fields.get('status')} attempt in "
+                                                  f"{self.run.path / MANIFEST} ({err}); it keeps its previous content")
+            return False
+        return True
 
     def _reuse(self, name: str, attempt: dict[str, Any]) -> dict[str, Any]:
         self.run.update_attempt(name, attempt)
@@ -408,11 +559,17 @@ class Pipeline:
     def finish(self, status: str) -> dict[str, Any]:
         stages = {name: entry.get("status") for name, entry in self.run.manifest["stages"].items()}
         try:
-            self.parent.set_tags({"eagleops.stages": json.dumps(stages)})
-            self.parent.finish(status)
+            with store_errors_reported_by_caller():
+                self.parent.set_tags({"eagleops.stages": json.dumps(stages)})
+                self.parent.finish(status)
         except Exception as tracking_err:
-            logging.getLogger("eagleops").warning(f"could not record the run's {status} state in MLflow: {tracking_err}")
-        self.run.update(status=status.lower(), finished=now_iso())
+            logging.getLogger("eagleops").warning(f"could not record the run's {status} state in MLflow: "
+                                                  f"{short_error(tracking_err)}")
+        try:
+            self.run.update(status=status.lower(), finished=now_iso())
+        except OSError as err:  # a full disk: the stage's own error is the one to report
+            logging.getLogger("eagleops").warning(f"could not record the run's {status} state in "
+                                                  f"{self.run.path / MANIFEST} ({err}); it keeps its previous content")
         return {"run_dir": str(self.run.path), "mlflow_run_id": self.parent.run_id, "stages": stages, "status": status,
                 "results": self.results}
 

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.config import ExperimentConfig
 from tasks.pipeline import STAGES, StageContext
+from tasks.secrets import redact
 from tasks.tracking import RunLogger
 
 
@@ -39,7 +40,7 @@ def _fmt(value: object) -> str:
 @task(name="report", cache_policy=NO_CACHE)
 def report(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     manifest = json.loads(Path(ctx.run_dir, "manifest.json").read_text())
-    markdown = render_report(cfg.experiment, manifest)
+    markdown = redact(render_report(cfg.experiment, manifest))
     path = ctx.stage_dir / "report.md"
     path.write_text(markdown)
     parent_id = manifest["mlflow"]["parent_run_id"]

@@ -1,9 +1,10 @@
 """The benchmark's report: one table (baseline vs each setting) and the verdict, wherever a person looks.
 
-MLflow (the stage's child run): metrics per setting (`<setting>/tok_s` ...), the comparison as
-`mlflow.log_table`, plots (tok/s by setting with the baseline line, acceptance by draft position,
-online vs offline accept length); the same table and verdict as a Prefect markdown artifact and
-as `bench.md` in the stage folder.
+MLflow (the stage's child run, every write through `RunLogger`, so an outage journals it): metrics
+per setting (`<setting>/tok_s` ...), the comparison as a table (`RunLogger.log_table`), plots
+(tok/s by setting with the baseline line, acceptance by draft position, online vs offline accept
+length); the same table and verdict, secrets masked, as a Prefect markdown artifact and as
+`bench.md` in the stage folder.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.config import ExperimentConfig
 from tasks.pipeline import StageContext, logger
+from tasks.secrets import redact
 
 
 def metric_key(setting: str) -> str:
@@ -32,7 +34,7 @@ def render_markdown(cfg: ExperimentConfig, rows: list[dict], offline: dict, verd
     baselines = {r["concurrency"]: r["tok_s_median"] for r in rows if not r["speculative"]}
     for r in rows:
         base = baselines.get(r["concurrency"])
-        speedup = f"{r['tok_s_median'] / base:.2f}x" if base and r["tok_s_median"] else "1.00x" if not r["speculative"] else "-"
+        speedup = f"{r['tok_s_median'] / base:.2f}x" if base and r["tok_s_median"] else "1.00x" if not r["speculative"] else "unknown"
         figures = per_setting.get(r["setting"], {})
         lines.append(
             f"| {r['setting']} | {r['concurrency']} | {_f(r['tok_s_min'])} / {_f(r['tok_s_median'])} / {_f(r['tok_s_max'])} "
@@ -40,9 +42,15 @@ def render_markdown(cfg: ExperimentConfig, rows: list[dict], offline: dict, verd
             f"| {_f(figures.get('reference_decoder_accept_length'))} | {_ms(r['ttft_p50_s'])} | {_ms(r['itl_p50_s'])} |")
     for s in verdict["settings"]:
         lines += [f"- alarm: {a}" for a in s["alarms"]]
+        lines += [f"- {s['setting']}: asked {k} {asked}, the server runs {runs} (reported by "
+                  f"{s.get('settings_source') or 'prediction'})" for k, (asked, runs) in s.get("rewritten", {}).items()]
     if verdict["causes"]:
         lines += ["", "#### Probable causes (ranked)", ""]
-        lines += [f"{i}. **{c['cause']}** ({c['score']:.2f}): {c['summary']}" for i, c in enumerate(verdict["causes"], 1)]
+        lines += [f"{i}. **{c['cause']}** ({c['score']:.2f}, {c['setting']}): {c['summary']}"
+                  for i, c in enumerate(verdict["causes"], 1)]
+    if verdict.get("missing_evidence"):
+        lines += ["", "#### Evidence the diagnosis did not have", ""]
+        lines += [f"- {m['check']} ({m['setting']}): {m['reason']}" for m in verdict["missing_evidence"]]
     return "\n".join(lines) + "\n"
 
 
@@ -55,7 +63,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def log_bench_report(ctx: StageContext, cfg: ExperimentConfig, rows: list[dict], offline: dict, verdict: dict) -> None:
-    markdown = render_markdown(cfg, rows, offline, verdict)
+    markdown = redact(render_markdown(cfg, rows, offline, verdict))
     (ctx.stage_dir / "bench.md").write_text(markdown)
     run = ctx.mlflow
     for r in rows:
@@ -83,7 +91,7 @@ def _log_table(run, rows: list[dict]) -> None:
     columns = ("setting", "concurrency", "tok_s_min", "tok_s_median", "tok_s_max", "decode_accept_length",
                "ttft_p50_s", "itl_p50_s", "itl_p99_s")
     table = {c: [r[c] for r in rows] for c in columns}
-    run.client.log_table(run.run_id, table, "bench/comparison.json")
+    run.log_table(table, "bench/comparison.json")
 
 
 def _log_plots(run, rows: list[dict], offline: dict) -> None:

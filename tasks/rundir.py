@@ -7,8 +7,18 @@ resumed in place (training continues from its checkpoint, data from its finished
 Earlier attempts are never overwritten, so changing `train.lr` and back again reuses the
 first training. The manifest records, per stage, every attempt (status, fingerprint, inputs,
 outputs, output digest, MLflow run id) and which attempt is current. Writes are atomic
-(temp file + rename) and pass through `tasks.secrets.redact`, so a kill never leaves half a
-manifest and no secret reaches the folder.
+(temp file + rename, the temp file removed when the write fails) and pass through
+`tasks.secrets.redact`, so a kill or a full disk never leaves half a manifest and no secret
+reaches the folder.
+
+A run folder can be moved or copied (renamed `runs/`, rsync to shared storage): on disk, every
+absolute path inside it is written relative to it (`./train_draft/attempt-1/draft`), and one
+inside the runs root it lives in (`<runs_root>/<experiment>/<run-id>`: the tiny-target cache, a
+local MLflow store) relative to it too (`../../cache/targets/...`, `mlflow.tracking_store`).
+`open` resolves them against where the folder is now, so the in-memory manifest holds absolute
+paths and a resumed copy writes only into the copy. Stage inputs are kept as recorded (they
+are compared, never opened). Risk: a string in a summary that starts with `./` or `../` is read
+as a path of the run folder.
 """
 
 from __future__ import annotations
@@ -17,15 +27,17 @@ import hashlib
 import json
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from tasks.secrets import redact
+from tasks.secrets import redact, redact_obj
 
 MANIFEST = "manifest.json"
+SQLITE = "sqlite:///"
 # Statuses of an attempt that ended without completing and may be resumed in place.
 UNFINISHED = ("running", "failed", "interrupted")
 
@@ -35,9 +47,21 @@ def new_run_id() -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(redact(json.dumps(data, indent=2, default=str)) + "\n")
-    os.replace(tmp, path)
+    """Replace `path` with `data` as JSON, secrets masked; on any failure (a full disk) the old file stays
+    as it was and no temp file is left. Redacted before serialising (a secret with `"`, `\\` or non-ASCII
+    characters is escaped by json.dumps) and after (strings that `default=str` made)."""
+    text = redact(json.dumps(redact_obj(data), indent=2, default=str)) + "\n"
+    # One temp file per writer (process and thread): two threads sharing a name would rename each
+    # other's half-written file into place.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:  # a failed write() names no file: name it
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
 
 
 def digest_json(data: Any) -> str:
@@ -53,20 +77,22 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def digest_paths(paths: Iterable[str | Path]) -> str:
-    """Content digest of files and directory trees (relative names + bytes); missing paths count as absent."""
+    """Content digest of files and directory trees (relative names + bytes), in the order given; missing
+    paths count as absent. Where the roots lie decides nothing: not the digest, not their order (sorting
+    by path would reorder a run folder's files against a target outside it when the folder moves)."""
     entries = []
-    for root in sorted(str(p) for p in paths):
+    for root in paths:
         base = Path(root)
         files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file()) if base.is_dir() else []
-        entries.append([root, [[str(f.relative_to(base)) if f != base else "", file_sha256(f)] for f in files]])
-    # The roots' absolute locations do not matter, only what is in them.
-    return digest_json([e[1] for e in entries])
+        entries.append([[str(f.relative_to(base)) if f != base else "", file_sha256(f)] for f in files])
+    return digest_json(entries)
 
 
 @dataclass
 class RunDirectory:
     path: Path
     manifest: dict[str, Any]
+    recorded_tracking_uri: str | None = None  # the manifest's tracking URI as written, before `open` located it
 
     @classmethod
     def create(cls, runs_root: str | Path, experiment: str, header: dict[str, Any]) -> RunDirectory:
@@ -86,14 +112,33 @@ class RunDirectory:
         if not manifest_path.is_file():
             raise ValueError(f"{path}: not a run directory (no {MANIFEST})")
         try:
-            manifest = json.loads(manifest_path.read_text())
+            recorded = json.loads(manifest_path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{manifest_path}: unreadable manifest ({err})") from None
-        return cls(path, manifest)
+        run = cls(path, located_paths(recorded, path))
+        run.recorded_tracking_uri = recorded.get("mlflow", {}).get("tracking_uri")
+        run._locate_tracking_store()
+        return run
 
     @property
     def run_id(self) -> str:
         return self.manifest["run_id"]
+
+    @property
+    def runs_root(self) -> Path | None:
+        """The runs root the folder lives in now (`<runs_root>/<experiment>/<run-id>`); None outside that layout."""
+        return self.path.parent.parent if self.path.parent.name == self.manifest.get("experiment") else None
+
+    def portable(self, data: Any) -> Any:
+        """`data` with absolute paths inside the run folder or its runs root made relative to the run folder."""
+        return portable_paths(data, self.path, self.runs_root)
+
+    def _locate_tracking_store(self) -> None:
+        """A sqlite store recorded relative to the folder (its runs root's mlflow.db) is the one beside it now."""
+        mlflow = self.manifest.get("mlflow", {})
+        store = mlflow.get("tracking_store")  # made absolute by located_paths
+        if store and self.runs_root is not None:  # outside the layout, the recorded URI is all there is
+            mlflow["tracking_uri"] = SQLITE + store
 
     # ------------------------------------------------------------------ stages and attempts
 
@@ -151,7 +196,49 @@ class RunDirectory:
 
     def save(self) -> None:
         self.manifest["updated"] = now_iso()
-        write_json_atomic(self.path / MANIFEST, self.manifest)
+        write_json_atomic(self.path / MANIFEST, self._portable_manifest())
+
+    def _portable_manifest(self) -> dict[str, Any]:
+        manifest = self.portable(self.manifest)
+        mlflow = manifest.get("mlflow", {})
+        uri = mlflow.get("tracking_uri") or ""
+        database = uri.removeprefix(SQLITE) if uri.startswith(SQLITE) else None
+        store = self.portable(database) if database else None
+        if store != database:  # a sqlite file inside the runs root: it moves with the folder
+            mlflow["tracking_store"] = store
+        else:
+            mlflow.pop("tracking_store", None)
+        return manifest
+
+
+def portable_paths(data: Any, run_path: Path, runs_root: Path | None) -> Any:
+    """Every string that is an absolute path inside `run_path` -> `./<relative>`, inside `runs_root` ->
+    relative to `run_path` (`../../cache/...`); stage inputs (`inputs`) are left as recorded."""
+    if isinstance(data, dict):
+        return {k: v if k == "inputs" else portable_paths(v, run_path, runs_root) for k, v in data.items()}
+    if isinstance(data, list):
+        return [portable_paths(v, run_path, runs_root) for v in data]
+    if not isinstance(data, str) or not data.startswith("/"):
+        return data
+    path = Path(data)
+    if path == run_path:
+        return "."
+    if run_path in path.parents:
+        return "./" + path.relative_to(run_path).as_posix()
+    if runs_root is not None and (path == runs_root or runs_root in path.parents):
+        return os.path.relpath(path, run_path)
+    return data
+
+
+def located_paths(data: Any, run_path: Path) -> Any:
+    """The inverse of `portable_paths` for a folder now at `run_path`: `.`, `./x` and `../x` become absolute."""
+    if isinstance(data, dict):
+        return {k: v if k == "inputs" else located_paths(v, run_path) for k, v in data.items()}
+    if isinstance(data, list):
+        return [located_paths(v, run_path) for v in data]
+    if isinstance(data, str) and (data == "." or data.startswith(("./", "../"))):
+        return os.path.normpath(run_path / data)
+    return data
 
 
 def now_iso() -> str:

@@ -19,12 +19,14 @@ appended to the journal; runs created meanwhile get `offline-<uuid>` ids. `sync_
 the journal in order. MLflow's own HTTP retries are bounded below (its defaults spend ~265 s
 on a refused connection before raising). Redaction (`tasks.secrets`) is applied before every
 write, online or journaled. Risk: a write path that calls `MlflowClient` directly instead of
-going through `RunLogger` fails the run in an outage (`tasks.export.register_checkpoint` does;
-`RunLogger.register_version` is the journaled equivalent).
+going through `RunLogger` fails the run in an outage, and sends an `offline-` id to the server once
+the run has one; so RunLogger has a method for each write the stages make (tables and model
+versions included) and exposes no client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -36,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -67,7 +69,8 @@ from tasks.mlflow_journal import (  # noqa: E402
     new_placeholder_id,
     replace_ids,
 )
-from tasks.rundir import MANIFEST, write_json_atomic  # noqa: E402
+from tasks.mlflow_store import sqlite_uri_under  # noqa: E402
+from tasks.rundir import MANIFEST, RunDirectory, write_json_atomic  # noqa: E402
 from tasks.secrets import redact, redact_obj  # noqa: E402
 
 MAX_PARAM_LENGTH = 6000
@@ -77,6 +80,8 @@ PROBE_TIMEOUT_S = 3.0
 # (enum CUSTOM_MODEL_DEVELOPMENT, tag key "mlflow.experimentKind", set by its experiment-kind selector).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# The run tag MlflowClient.log_table keeps its tables in (mlflow.utils.mlflow_tags.MLFLOW_LOGGED_ARTIFACTS).
+LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
 
 # Tracking URIs that stopped answering in this process, with why; a probe at the next run start clears them.
 _offline: dict[str, str] = {}
@@ -91,7 +96,8 @@ def default_tracking_uri(runs_root: str | Path) -> str:
 
 
 def tracking_uri_for(cfg: ExperimentConfig) -> str:
-    return cfg.tracking.uri or default_tracking_uri(cfg.runs_root)
+    """tracking.uri, a relative `sqlite:///` path taken under runs_root (never the caller's cwd); default the runs root's store."""
+    return sqlite_uri_under(cfg.tracking.uri, cfg.runs_root) if cfg.tracking.uri else default_tracking_uri(cfg.runs_root)
 
 
 def ensure_experiment(client: MlflowClient, name: str, runs_root: str | Path, local_store: bool) -> str:
@@ -255,6 +261,24 @@ def _call_online(uri: str, journal: Path | None, call: Callable[[MlflowClient], 
     return True
 
 
+@contextlib.contextmanager
+def store_errors_reported_by_caller() -> Iterator[None]:
+    """For writes whose failure the caller reports in one line (a stage's failure path, where the disk
+    holding a local SQLite store may be full): MLflow's SQL store would first log each failed write at
+    ERROR with a full traceback (mlflow.store.db.utils), then raise it anyway."""
+    store_logger = logging.getLogger("mlflow.store.db.utils")
+    was_disabled, store_logger.disabled = store_logger.disabled, True
+    try:
+        yield
+    finally:
+        store_logger.disabled = was_disabled
+
+
+def short_error(err: BaseException) -> str:
+    """The first line of an error, secrets masked: SQLAlchemy appends the statement and its parameters."""
+    return redact(str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+
+
 def _log() -> logging.Logger | logging.LoggerAdapter:
     from prefect import get_run_logger
     from prefect.exceptions import MissingContextError
@@ -291,10 +315,6 @@ class RunLogger:
         else:
             self.journal = Path(self.journal)
             _journal_of_run[self.run_id] = self.journal
-
-    @property
-    def client(self) -> MlflowClient:
-        return MlflowClient(self.tracking_uri)
 
     @property
     def offline(self) -> bool:
@@ -335,6 +355,11 @@ class RunLogger:
     def log_figure(self, figure: Any, artifact_file: str) -> None:
         if not self._try_online(lambda c: c.log_figure(self.run_id, figure, artifact_file)):
             self._journal_file(artifact_file, figure.savefig)
+
+    def log_table(self, table: dict[str, list], artifact_file: str) -> None:
+        """A table (column -> values) as MLflow's `log_table` stores it: a split-orient JSON artifact listed
+        in the run's `mlflow.loggedArtifacts` tag (the UI shows it as a table); journaled like any write."""
+        self._write("log_table", {"table": redact_obj(table), "artifact_file": artifact_file})
 
     def register_version(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
         """Register `<this run's artifacts>/<artifact_path>` as a new version of model `name`.
@@ -390,6 +415,8 @@ def apply_op(client: MlflowClient, op: str, run_id: str, args: dict[str, Any]) -
         _upload(client, run_id, Path(args["path"]), args.get("artifact_path"))
     elif op == "register_version":
         _register_version(client, run_id, args)
+    elif op == "log_table":
+        _log_table(client, run_id, args["table"], args["artifact_file"])
     else:
         raise ValueError(f"unknown MLflow journal op '{op}'")
 
@@ -399,6 +426,23 @@ def _upload(client: MlflowClient, run_id: str, path: Path, artifact_path: str | 
         client.log_artifacts(run_id, str(path), artifact_path)
     else:
         client.log_artifact(run_id, str(path), artifact_path)
+
+
+def _log_table(client: MlflowClient, run_id: str, table: dict[str, list], artifact_file: str) -> None:
+    """MlflowClient.log_table's file and tag, made idempotent for replay: the artifact is replaced (MLflow's
+    own call appends rows to an existing one, so a replayed entry would double them) and the tag entry is
+    added once."""
+    import pandas as pd
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / Path(artifact_file).name
+        pd.DataFrame(table).to_json(path, orient="split", index=False, date_format="iso")
+        folder = str(Path(artifact_file).parent)
+        client.log_artifact(run_id, str(path), None if folder == "." else folder)
+    logged = json.loads(client.get_run(run_id).data.tags.get(LOGGED_ARTIFACTS_TAG, "[]"))
+    entry = {"path": artifact_file, "type": "table"}
+    if entry not in logged:
+        client.set_tag(run_id, LOGGED_ARTIFACTS_TAG, json.dumps(logged + [entry]))
 
 
 def _register_version(client: MlflowClient, run_id: str, args: dict[str, Any]) -> str:
@@ -620,7 +664,8 @@ def sync_before_resume(run_dir: str | Path, tracking_uri: str) -> None:
     if not journal.pending():
         return
     manifest_path = run_dir / MANIFEST
-    recorded = json.loads(manifest_path.read_text()).get("mlflow", {}).get("tracking_uri") if manifest_path.is_file() else None
+    # the store where the folder is now (a local one moves with its runs root), see tasks.rundir
+    recorded = RunDirectory.open(run_dir).manifest.get("mlflow", {}).get("tracking_uri") if manifest_path.is_file() else None
     if recorded != tracking_uri:
         _log().warning(f"{journal.path}: {journal.pending()} MLflow calls not synced, recorded for {recorded}; "
                        f"upload them with: eagleops sync {run_dir} --tracking-uri URI")

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.data.tiny_target import cpu_threads
 from eagle3.training.train import train_draft as run_training
 from tasks.config import ExperimentConfig
+from tasks.data import recorded_target_dir
 from tasks.pipeline import StageContext, logger
 from tasks.rundir import digest_json, digest_paths
 from tasks.train_nodes import train_on_nodes
@@ -64,13 +65,15 @@ def training_record(data: dict, target_dir: Path) -> dict:
         "chat_template_sha256": data.get("chat_template_sha256"),
         "hidden_states": data.get("hidden_states"),
         "draft_vocab_coverage": data.get("vocab", {}).get("coverage"),
+        "capture_engine": data.get("capture_engine"),  # name, version and the capture indices it hooked
     }
 
 
 @task(name="train_draft", cache_policy=NO_CACHE)
 def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     data = ctx.upstream["generate_data"]
-    target_dir, dataset_dir = Path(data["outputs"]["target_dir"]), Path(data["outputs"]["dataset_dir"])
+    target_dir = recorded_target_dir(cfg, ctx, data["outputs"]["target_dir"])
+    dataset_dir = Path(data["outputs"]["dataset_dir"])
     aux_layer_ids = data["aux_layer_ids"]
     online = _online_features(cfg, target_dir, aux_layer_ids) if cfg.data.hidden_states == "online" else None
     ctx.mlflow.log_params({"aux_layer_ids": json.dumps(aux_layer_ids), "draft_vocab_size": cfg.data.draft_vocab_size})
@@ -91,5 +94,6 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         "training_record": training_record(data, target_dir),
         "metrics": {k: v for k, v in metrics.items() if v is not None},
         "outputs": {"checkpoint": summary["checkpoint"], "target_dir": str(target_dir), "train_dir": str(ctx.stage_dir / "draft")},
-        "output_digest": digest_json([digest_paths([summary["checkpoint"]]), str(target_dir.resolve())]),
+        # the checkpoint's bytes and the dataset's digest (which names the target by content, not by path)
+        "output_digest": digest_json([digest_paths([summary["checkpoint"]]), ctx.upstream_digests.get("generate_data")]),
     }

@@ -13,10 +13,16 @@ holds the checkpoints, history.jsonl and summary.json. In order:
    group: torchrun, ranks, loader workers), recorded in `<stage>/nodes.json`;
 5. until every launcher exits: relay each node's log into the run log, rank 0's new history rows
    into MLflow, watch each launcher; the first failure stops every node and raises naming the
-   node, its host, the failed rank and its log tail;
+   node, its host, the failed rank and its log tail; so does a stall -- no node's log grew and no
+   history row came for `train.stall_timeout_s` while launchers still run (a hung rank, a
+   rendezvous nobody joins) -- naming the node silent longest;
 6. node 0's output folder comes back to `<stage>/draft`, as if trained here.
 
 Whatever ends the stage -- success, a failure, Ctrl-C -- no launcher is left running.
+
+The rendezvous (`train.rendezvous`, else `_master`): node 0's inventory address; a `local` node 0
+with remote nodes is this machine as those nodes reach it -- the client address their SSH server
+sees (SSH_CONNECTION), never 127.0.0.1, where each remote node would dial itself.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3.data.datasets import HiddenStateDataset
+from eagle3.data.shards import MANIFEST
 from eagle3.training.schedule import DataPlan
 from eagle3.training.torchrun import NODE_STATUS
 from eagle3.training.train import relay_history_rows
@@ -86,12 +92,12 @@ def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, 
             _check_node(cfg, node)
         inputs = [_stage_inputs(cfg, ctx, node, dataset_dir, target_dir) for node in nodes]
         _sync_checkpoints(nodes, local_out)
-        master = _master(cfg, nodes[0])
+        master = _master(cfg, nodes)
         try:
             for node, (data, target, config) in zip(nodes, inputs):
                 _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
                 _record(ctx, nodes)
-            _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir))
+            _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir), cfg.train.stall_timeout_s)
         finally:
             _stop_all(nodes)
             _record(ctx, nodes)
@@ -115,12 +121,41 @@ def _open_node(cfg: ExperimentConfig, ctx: StageContext, rank: int, name: str) -
     return Node(rank, name, root, host.python, posixpath.join(train_root, "inputs"), executor)
 
 
-def _master(cfg: ExperimentConfig, node0: Node) -> tuple[str, int]:
+def _master(cfg: ExperimentConfig, nodes: list[Node]) -> tuple[str, int]:
+    """Where every node dials torchrun's store on node 0: train.rendezvous, else node 0's address as they reach it."""
     if cfg.train.rendezvous:
         address, port = cfg.train.rendezvous.rsplit(":", 1)
         return address, int(port)
-    address = "127.0.0.1" if node0.host == "local" else cfg.host(node0.host).address
-    return address, DEFAULT_MASTER_PORT
+    if nodes[0].host != "local":
+        return cfg.host(nodes[0].host).address, DEFAULT_MASTER_PORT
+    remote = [node for node in nodes if node.host != "local"]
+    return (_this_machine_as_seen_by(cfg, remote) if remote else "127.0.0.1"), DEFAULT_MASTER_PORT
+
+
+def _this_machine_as_seen_by(cfg: ExperimentConfig, remote: list[Node]) -> str:
+    """This machine's address as the remote nodes see it connect (their SSH_CONNECTION's client address).
+
+    Through a jump host they see the jump host, and nodes that see different addresses cannot share one
+    rendezvous address: both ask for train.rendezvous.
+    """
+    seen: dict[str, str] = {}
+    for node in remote:
+        if cfg.host(node.host).jump_host:
+            raise NodeFailed(f"train.rendezvous: {node.label()} is reached through jump host "
+                             f"{cfg.host(node.host).jump_host}, so which address of this machine (node 0) it can dial "
+                             "is unknown; set train.rendezvous to address:port of this machine that every node reaches")
+        words = node.executor.run(["sh", "-c", 'printf %s "$SSH_CONNECTION"'], log_output=False, timeout=60).stdout.split()
+        if len(words) != 4:
+            raise NodeFailed(f"train.rendezvous: {node.label()} does not say where this machine connects from "
+                             f"(SSH_CONNECTION={' '.join(words)!r}); set train.rendezvous to address:port of this machine")
+        seen[node.label()] = words[0]
+    if len(set(seen.values())) > 1:
+        raise NodeFailed(f"train.rendezvous: the nodes see this machine (node 0) at different addresses ({seen}); "
+                         "set train.rendezvous to address:port of this machine that every node reaches")
+    address = next(iter(seen.values()))
+    logger().info("rendezvous: node 0 is this machine; every node dials it at %s:%d (as %s sees it; "
+                  "train.rendezvous overrides)", address, DEFAULT_MASTER_PORT, ", ".join(seen))
+    return address
 
 
 _PROBE = ("import json, torch, eagle3.training.train; print(json.dumps({'torch': torch.__version__, "
@@ -149,7 +184,14 @@ def _stage_inputs(cfg: ExperimentConfig, ctx: StageContext, node: Node, dataset_
     """(dataset, target, train config) paths on the node; uploads what a remote node lacks."""
     train_cfg = cfg.train.model_copy()
     node.executor.makedirs(node.root)
-    if isinstance(node.executor, LocalExecutor):
+    made = ctx.upstream["generate_data"]["outputs"]
+    if made.get("host") == node.host:  # the data stage ran on this node's host: its dataset is there
+        data, target = made["host_dataset_dir"], made["host_target_dir"]
+        logger().info("%s: training on the dataset the data stage wrote there (%s)", node.label(), data)
+    elif made.get("host") not in (None, "local"):
+        raise NodeFailed(f"{node.label()}: the dataset is on {made['host']} (data.host) and stays there; train on it "
+                         f"with train.nodes: [{made['host']}]")
+    elif isinstance(node.executor, LocalExecutor):
         data, target = str(dataset_dir), str(target_dir)
     else:
         shared = posixpath.join(node.inputs, ctx.upstream_digests["generate_data"][:16])
@@ -220,26 +262,34 @@ def _launch(node: Node, nnodes: int, master: tuple[str, int], data: str, target:
 
 
 def total_steps(cfg: ExperimentConfig, dataset_dir: Path) -> int:
-    """Optimizer steps the ranks will take, as the trainer plans them (for progress and ETA)."""
+    """Optimizer steps the ranks will take, as the trainer plans them (for progress and ETA), from the
+    shards' manifest (here even when the shards stay on the data host): one dataset item per sample."""
     world = cfg.train.devices * len(cfg.train.nodes)
-    plan = DataPlan(len(HiddenStateDataset(dataset_dir, "train")), cfg.train.batch_size, world, cfg.train.grad_accum,
+    manifest = json.loads((Path(dataset_dir) / "hidden_states" / MANIFEST).read_text())
+    plan = DataPlan(manifest["num_samples"]["train"], cfg.train.batch_size, world, cfg.train.grad_accum,
                     cfg.train.seed)
     return min(cfg.train.max_steps or 1 << 62, plan.steps_per_epoch * cfg.train.epochs)
 
 
-def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total: int) -> None:
-    """Relay logs and metrics until every launcher exited; raise NodeFailed at the first failure."""
+def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total: int, stall_timeout_s: float) -> None:
+    """Relay logs and metrics until every launcher exited; raise NodeFailed at the first failure, or when
+    nothing progressed (no node's log grew, no history row came) for `stall_timeout_s`."""
     def relay(step: int, row: dict[str, float]) -> None:
         on_metrics(step, row)
         progress("optimizer steps", step, total)
 
     metrics = _MetricsRelay(nodes[0], relay)
     running = {node.rank for node in nodes}
+    last_output = {node.rank: time.monotonic() for node in nodes}
     while running:
         time.sleep(POLL_S)
+        now = time.monotonic()
         for node in nodes:
-            _relay_log(node)
-        metrics.poll()
+            if _relay_log(node):
+                last_output[node.rank] = now
+        if metrics.poll():
+            last_output[nodes[0].rank] = now
+        _check_stalled(nodes, running, last_output, stall_timeout_s)
         for node in [n for n in nodes if n.rank in running]:
             if node.executor.is_alive(node.pid):
                 continue
@@ -252,8 +302,26 @@ def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total
     metrics.poll()
 
 
-def _relay_log(node: Node) -> None:
-    """New complete lines of the node's log into the run log."""
+def _check_stalled(nodes: list[Node], running: set[int], last_output: dict[int, float], timeout_s: float) -> None:
+    """NodeFailed when no node has written anything for `timeout_s`, naming the one silent longest.
+
+    Only rank 0 logs steps, so one quiet node is normal; every node quiet is a hang somewhere (a stuck
+    collective silences its peers too): the node that went quiet first is where to look.
+    """
+    now = time.monotonic()
+    if now - max(last_output.values()) < timeout_s:
+        return
+    quiet = min((n for n in nodes if n.rank in running), key=lambda n: last_output[n.rank])
+    silences = ", ".join(f"{n.label()} {now - last_output[n.rank]:.0f} s" for n in nodes if n.rank in running)
+    raise NodeFailed(f"training stalled: no node logged anything and no metrics came for {timeout_s:.0f} s "
+                     f"(train.stall_timeout_s) while the launchers still run; silent longest: {quiet.label()}, "
+                     f"launcher pid {quiet.pid} (silent for: {silences}); last lines of {quiet.log_file}:\n"
+                     f"{_log_tail(quiet)}")
+
+
+def _relay_log(node: Node) -> bool:
+    """New complete lines of the node's log into the run log; whether there were any."""
+    offset = node.log_offset
     with contextlib.suppress(CommandFailed):
         text = node.executor.run(["tail", "-c", f"+{node.log_offset + 1}", node.log_file], check=True,
                                  log_output=False, timeout=60).stdout
@@ -261,6 +329,7 @@ def _relay_log(node: Node) -> None:
         for line in complete.splitlines():
             logger().info("[%s] %s", node.label(), line)
         node.log_offset += len(complete.encode())
+    return node.log_offset != offset
 
 
 def _node_status(node: Node) -> dict | None:
@@ -294,12 +363,15 @@ class _MetricsRelay:
         self.path = posixpath.join(node0.out_dir, "history.jsonl")
         self.seen: set = set()
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Relay the rows not seen yet; whether there were any."""
         try:
             text = self.node0.executor.read_file(self.path)
         except (FileNotFoundError, CommandFailed):
-            return
+            return False
+        before = len(self.seen)
         self.seen = relay_history_rows(text, self.seen, self.on_metrics)
+        return len(self.seen) != before
 
 
 # --------------------------------------------------------------------------- stop, record, bring back

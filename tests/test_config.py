@@ -55,7 +55,7 @@ def test_sweep_expands_into_validated_variants():
 def test_resolved_config_has_defaults_and_the_chain_setting():
     cfg = load_experiment(REPO / "configs/kimi-k2.5-int4.yaml")
     assert (cfg.deploy.speculative.num_steps, cfg.deploy.speculative.eagle_topk, cfg.deploy.speculative.num_draft_tokens) == (3, 1, 4)
-    assert cfg.data.num_samples == 100_000 and cfg.hosts[0].port == 22
+    assert cfg.data.num_samples == 10_000 and cfg.hosts[0].port == 22
 
 
 # (replace this line of BASE, with this text) -> (line of the error, expected message fragment)
@@ -88,7 +88,7 @@ BROKEN = [
     ("    backend: local", "    backend: local\n    api_key: ${EAGLEOPS_TEST_UNSET_VAR}", 8, "data.regenerate.api_key: environment variable EAGLEOPS_TEST_UNSET_VAR is not set"),
     ("target:\n  kind: tiny", "target:\n  kind: tiny\n  aux_layer_ids: []", 4, "target.aux_layer_ids: List should have at least 1 item"),
     ("train:\n  ttt_steps: 7", "train: 5", 8, "train: must be a valid dictionary"),
-    ("  ttt_steps: 7", "  ttt_steps: [7", 10, "invalid YAML"),
+    ("  ttt_steps: 7", "  ttt_steps: [7", 9, "invalid YAML"),  # the line the bracket opens
 ]
 
 

@@ -10,12 +10,19 @@ harness, and `eagleops sync` through typer's CliRunner.
     stage reports completion, in the flow's own thread, so the rest of the run is offline);
     after a restart + sync, every stage attempt in the manifest has its run and metrics.
 (c) eagleops experiments carry mlflow.experimentKind = custom_model_development.
+(d) the whole pipeline (data, training, export, deploy, benchmark) with the server down from the
+    start, then a resume of deploy + benchmark on the same folder with the server stopped right
+    before run_benchmark: both complete, and after `eagleops sync` the server holds every stage's
+    run with its metrics, tags, artifacts, the benchmark's comparison table (readable by MLflow's
+    own load_table) and plots, and the system metrics `tracking.log_system_metrics` sampled
+    (absent from the runs of (a) and (b), where the field is off).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -32,6 +39,7 @@ from tasks.mlflow_journal import JOURNAL_FILE, STATE_FILE, journal_path
 from tasks.tracking import (
     EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, HTTP_RETRY_DEFAULTS, RunLogger, check_tracking_server,
 )
+from tests.helpers import TEST_TARGET_YAML, free_port
 
 CONFIG = """\
 experiment: {name}
@@ -125,8 +133,10 @@ def artifact_paths(client: MlflowClient, run_id: str, folder: str | None = None)
     return found
 
 
-def assert_uploaded(client: MlflowClient, run_dir: Path) -> None:
-    """Everything the run folder records is in MLflow: parent + one run per stage attempt, with metrics."""
+def assert_uploaded(client: MlflowClient, run_dir: Path, stages: set[str] = frozenset({"check_environment", "report"}),
+                    system_metrics: bool = False) -> None:
+    """Everything the run folder records is in MLflow: parent + one run per stage attempt, with metrics
+    (system/* metrics in every stage run exactly when tracking.log_system_metrics is on)."""
     manifest = manifest_of(run_dir)
     parent_id = manifest["mlflow"]["parent_run_id"]
     assert "offline-" not in json.dumps(manifest)
@@ -136,16 +146,28 @@ def assert_uploaded(client: MlflowClient, run_dir: Path) -> None:
     assert parent.data.params["target.kind"] == "tiny"
     assert {"config/experiment.yaml", "report.md"} <= artifact_paths(client, parent_id)
     attempts = stage_attempts(manifest)
-    assert {name for name, _ in attempts} == {"check_environment", "report"}
+    assert {name for name, _ in attempts} == set(stages)
     for name, attempt in attempts:
         child = client.get_run(attempt["mlflow_run_id"])
         assert child.info.run_name == name
         assert child.info.status == "FINISHED"
         assert child.data.tags["mlflow.parentRunId"] == parent_id
+        assert child.data.tags["eagleops.stage"] == name
         assert child.data.metrics["wall_time_s"] == pytest.approx(attempt["wall_time_s"])
         for key, value in attempt["summary"]["metrics"].items():
-            assert child.data.metrics[key] == pytest.approx(value)
-            assert parent.data.metrics[f"{name}.{key}"] == pytest.approx(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert child.data.metrics[key] == pytest.approx(value)
+        sampled = {k for k in child.data.metrics if k.startswith("system/")}
+        if system_metrics:
+            assert {"system/cpu_utilization_percentage", "system/system_memory_usage_percentage"} <= sampled, name
+            assert 0 < child.data.metrics["system/system_memory_usage_percentage"] <= 100
+        else:
+            assert not sampled, name
+    latest = {name: entry for name, entry in manifest["stages"].items() if entry.get("attempts")}
+    for name, entry in latest.items():  # the parent's headline metrics are the latest attempt's
+        for key, value in entry["summary"]["metrics"].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert parent.data.metrics[f"{name}.{key}"] == pytest.approx(value)
     env_id = manifest["stages"]["check_environment"]["mlflow_run_id"]
     assert "env.hostname" in client.get_run(env_id).data.params
     assert "environment/report.json" in artifact_paths(client, env_id)
@@ -241,8 +263,6 @@ def test_4xx_answer_raises_and_is_not_journaled(mlflow_server, tmp_path):
 
 
 def test_mlflow_retries_are_bounded():
-    import os
-
     for key, value in HTTP_RETRY_DEFAULTS.items():
         assert os.environ[key] == value
     assert int(HTTP_RETRY_DEFAULTS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) <= 3
@@ -305,3 +325,167 @@ def test_offline_artifacts_and_model_version_replay_later(mlflow_server, tmp_pat
     (version,) = client.search_model_versions("name = 'outage-unit-draft'")
     assert version.run_id == real_id and version.tags["format"] == "sglang"
     assert version.source.endswith("/checkpoint/sglang")
+
+
+# --------------------------------------------------------------------------- (d) the whole pipeline
+
+PIPELINE_CONFIG = """\
+experiment: {name}
+runs_root: {runs}
+{target}data:
+  num_samples: 12
+  max_length: 160
+  validation_fraction: 0.25
+  draft_vocab_size: 64
+  regenerate: {{max_new_tokens: 16}}
+train: {{ttt_steps: 2, epochs: 3, max_steps: 6, batch_size: 4, log_every: 1}}
+export: {{formats: [sglang], dtype: float32}}
+deploy:
+  server: reference
+  port: {port}
+  speculative: {{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}
+  startup_timeout_s: 240
+bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 8, warmup_runs: 0, timed_runs: 1}}
+tracking: {{uri: "{uri}", log_system_metrics: true}}
+"""
+ALL_STAGES = {"check_environment", "generate_data", "train_draft", "export_checkpoint", "deploy_server",
+              "run_benchmark", "report"}
+# The settings the config asks for, as report_bench names their metrics (written out here, not computed).
+BENCH_METRIC_PREFIXES = {"speculative 2/1/3": "spec_2_1_3.c1", "baseline": "baseline.c1"}
+
+
+@pytest.fixture(scope="module")
+def offline_pipeline(prefect_harness, mlflow_server, tmp_path_factory):
+    """The whole pipeline run with the tracking server down from the start (system metrics sampled every
+    second); yields (config, result, the run's warning lines)."""
+    folder = tmp_path_factory.mktemp("outage-pipeline")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Say hello.", "Count to three.")))
+    config = folder / "outage-pipeline.yaml"
+    config.write_text(PIPELINE_CONFIG.format(name="outage-pipeline", runs=folder / "runs", target=TEST_TARGET_YAML,
+                                             port=free_port(), prompts=prompts, uri=mlflow_server.uri))
+    handler = Captured()
+    for name in RUN_LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    mlflow_server.stop()
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+            result = eagle3_experiment(str(config))
+    finally:
+        for name in RUN_LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+    return config, result, handler.lines
+
+
+def latest_attempt(run_dir: Path, stage: str) -> dict:
+    return manifest_of(run_dir)["stages"][stage]["attempts"][-1]
+
+
+def assert_benchmark_uploaded(client: MlflowClient, run_dir: Path) -> None:
+    """The latest benchmark attempt's run holds its table (MLflow reads it back), plots, metrics and tags."""
+    attempt = latest_attempt(run_dir, "run_benchmark")
+    rows = attempt["summary"]["rows"]
+    assert {r["setting"] for r in rows} == set(BENCH_METRIC_PREFIXES)
+    run = client.get_run(attempt["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert {"bench/comparison.json", "bench/verdict.json", "bench/results.json", "plots/benchmark.png"} \
+        <= artifact_paths(client, run.info.run_id)
+    assert {"path": "bench/comparison.json", "type": "table"} in json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    with pytest.MonkeyPatch.context() as env:  # load_table searches runs through MLflow's default URI
+        env.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
+        table = client.load_table(run.info.experiment_id, "bench/comparison.json", run_ids=[run.info.run_id])
+    assert sorted(table["setting"]) == sorted(r["setting"] for r in rows)
+    for r in rows:
+        line = table[table["setting"] == r["setting"]].iloc[0]
+        assert line["tok_s_median"] == pytest.approx(r["tok_s_median"])
+        assert line["concurrency"] == r["concurrency"] == 1
+        assert run.data.metrics[f"{BENCH_METRIC_PREFIXES[r['setting']]}.tok_s"] == pytest.approx(r["tok_s_median"])
+    spec = next(r for r in rows if r["speculative"])
+    assert run.data.metrics["spec_2_1_3.c1.accept_length"] == pytest.approx(spec["decode_accept_length"])
+    assert run.data.metrics["spec_2_1_3.speedup"] == pytest.approx(attempt["summary"]["verdict"]["settings"][0]["speedup"])
+
+
+@pytest.mark.slow
+def test_whole_pipeline_with_server_down_from_the_start_then_sync(offline_pipeline, mlflow_server, tmp_path):
+    _, result, lines = offline_pipeline
+    run_dir = Path(result["run_dir"])
+    assert result["status"] == "FINISHED"
+    assert set(result["stages"].values()) == {"completed"}
+    assert len([line for line in lines if "is not usable" in line]) == 1
+    manifest = manifest_of(run_dir)
+    assert all(a["mlflow_run_id"].startswith("offline-") for _, a in stage_attempts(manifest))
+
+    mlflow_server.start()
+    synced = sync(run_dir)
+    assert synced.exit_code == 0, synced.output
+    assert "8 runs created" in synced.output  # the parent and one run per stage
+    client = MlflowClient(mlflow_server.uri)
+    assert_uploaded(client, run_dir, ALL_STAGES, system_metrics=True)
+    assert_benchmark_uploaded(client, run_dir)
+    train = latest_attempt(run_dir, "train_draft")
+    # The loss curve journaled step by step is the one training wrote into its own history.jsonl.
+    (history,) = (run_dir / train["dir"]).rglob("history.jsonl")  # the manifest records it relative to the folder
+    written = [(r["step"], r["train/loss"]) for r in map(json.loads, history.read_text().splitlines()) if "train/loss" in r]
+    assert len(written) >= 2
+    uploaded = sorted((m.step, m.value) for m in client.get_metric_history(train["mlflow_run_id"], "train/loss"))
+    assert [step for step, _ in uploaded] == [step for step, _ in written]
+    assert [loss for _, loss in uploaded] == pytest.approx([loss for _, loss in written])
+    # Several system samples (1 s apart) over the benchmark (two server launches), at steps 0, 1, 2, ...
+    bench = latest_attempt(run_dir, "run_benchmark")
+    cpu = client.get_metric_history(bench["mlflow_run_id"], "system/cpu_utilization_percentage")
+    assert sorted(m.step for m in cpu) == list(range(len(cpu))) and len(cpu) >= 2
+    export = latest_attempt(run_dir, "export_checkpoint")
+    assert any(p.startswith("checkpoint/sglang/") for p in artifact_paths(client, export["mlflow_run_id"]))
+
+
+@pytest.mark.slow
+def test_server_stopped_just_before_the_benchmark_then_sync(offline_pipeline, mlflow_server, captured):
+    config, result, _ = offline_pipeline
+    run_dir = Path(result["run_dir"])
+    mlflow_server.start()
+    captured.triggers.append(("deploy_server: completed", mlflow_server.stop))
+    resumed = eagle3_experiment(str(config), stages=["deploy_server", "run_benchmark"], run_dir=str(run_dir))
+    assert not mlflow_server.running
+    assert resumed["status"] == "FINISHED"
+    assert resumed["stages"]["run_benchmark"] == "completed"
+    assert latest_attempt(run_dir, "run_benchmark")["mlflow_run_id"].startswith("offline-")
+    assert not latest_attempt(run_dir, "deploy_server")["mlflow_run_id"].startswith("offline-")
+    assert len([line for line in captured.lines if "is not usable" in line]) == 1
+
+    mlflow_server.start()
+    synced = sync(run_dir)
+    assert synced.exit_code == 0, synced.output
+    assert json.loads((run_dir / STATE_FILE).read_text())["refused"] == []
+    client = MlflowClient(mlflow_server.uri)
+    assert_benchmark_uploaded(client, run_dir)
+    bench = client.get_run(latest_attempt(run_dir, "run_benchmark")["mlflow_run_id"])
+    parent_id = manifest_of(run_dir)["mlflow"]["parent_run_id"]
+    assert bench.data.tags["mlflow.parentRunId"] == parent_id
+    assert "system/cpu_utilization_percentage" in bench.data.metrics
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["run_benchmark.best_tok_s"] == pytest.approx(
+        latest_attempt(run_dir, "run_benchmark")["summary"]["metrics"]["best_tok_s"])
+
+
+def test_log_table_online_is_mlflows_table_and_a_replay_does_not_double_it(mlflow_server, tmp_path):
+    """RunLogger.log_table writes what MlflowClient.log_table writes (load_table reads it back), but a
+    second identical write, as a replayed journal entry would be, replaces the rows instead of appending."""
+    from tasks.tracking import create_run
+
+    mlflow_server.start()
+    assert check_tracking_server(mlflow_server.uri, journal_path(tmp_path))
+    run = create_run(mlflow_server.uri, journal_path(tmp_path), "table", {}, experiment="outage-table")
+    table = {"setting": ["speculative 3/1/4", "baseline"], "tok_s_median": [120.5, 80.25]}
+    run.log_table(table, "bench/comparison.json")
+    run.log_table(table, "bench/comparison.json")
+    client = MlflowClient(mlflow_server.uri)
+    with pytest.MonkeyPatch.context() as env:  # load_table searches runs through MLflow's default URI
+        env.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
+        loaded = client.load_table(client.get_run(run.run_id).info.experiment_id, "bench/comparison.json",
+                                   run_ids=[run.run_id])
+    assert loaded.to_dict(orient="list") == table
+    assert json.loads(client.get_run(run.run_id).data.tags["mlflow.loggedArtifacts"]) == [
+        {"path": "bench/comparison.json", "type": "table"}]
+    assert not (tmp_path / JOURNAL_FILE).exists()

@@ -1,6 +1,6 @@
 """Disk space for the offline hidden states: the bytes a dump writes and the free-space check
 made before anything is computed (reference eagle3-training.md (e).4: 4 * H * 2 bytes per
-token in bf16).
+token in bf16; about 2.5 * H with `data.hidden_states_dtype: float8_e4m3`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ class InsufficientDiskSpaceError(OSError):
     """The offline hidden states would not fit on the destination filesystem."""
 
 
-def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: int, dtype_bytes: int) -> int:
-    """Shard bytes: hidden states + int64 ids + uint8 mask per token + int64 length/id per sample."""
-    states = estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype_bytes)
+def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: int, dtype: str) -> int:
+    """Shard bytes: hidden states (in `data.hidden_states_dtype` `dtype`, fp8 scales included) + int64 ids
+    + uint8 mask per token + int64 length/id per sample."""
+    states = estimate_hidden_state_bytes(num_tokens, hidden_size, num_aux, dtype=dtype)
     return states + 9 * num_tokens + 16 * num_samples
 
 
@@ -34,6 +35,7 @@ def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
     if required > free:
         raise InsufficientDiskSpaceError(
             f"offline hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
-            f"but only {free} bytes ({free / 1e9:.3f} GB) are free at {directory}; free space, lower "
-            "data.num_samples / data.max_length, or use data.hidden_states: online"
+            f"but only {free} bytes ({free / 1e9:.3f} GB) are free at {directory}; free space there, use fewer "
+            "samples or shorter ones (data.num_samples, data.max_length, data.regenerate.max_new_tokens), or "
+            "data.hidden_states: online (one training process with the target loaded in transformers)"
         )

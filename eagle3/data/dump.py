@@ -20,6 +20,7 @@ from eagle3.config import DataConfig
 from eagle3.data.capture import FeatureExtractor
 from eagle3.data.disk import _dump_bytes, check_disk_space
 from eagle3.data.files import LogFn, ProgressFn
+from eagle3.data.state_codec import SCALES_KEY, encode_aux_fp8, scale_block
 from eagle3.data.shards import (
     STATE_DTYPES,
     _clear_stale,
@@ -97,22 +98,28 @@ def capture_shard(extractor: FeatureExtractor, members: list[dict], batch_size: 
     """Hidden states of one shard's samples, packed back to back (see module docstring).
 
     Per batch: one forward of the extractor (`capture_rows`: the real tokens only, on its device),
-    converted to `dtype` there ([n_real, k*H] and [n_real, H]), and one asynchronous copy of each
-    into the shard's host tensors (`_HostCopier`), so copying batch b overlaps the forward of
-    batch b + 1. Any extractor with `capture_rows`, `hf_indices`, `hidden_size` and `device` works:
-    the HF engine's `TargetFeatureExtractor` or SGLang's (`eagle3.data.sglang_engine`).
+    converted to `dtype` there ([n_real, k*H] and [n_real, H]; torch.float8_e4m3fn: the aux states
+    encoded as e4m3 + block scales, eagle3/data/state_codec.py, the last state in bf16), and one
+    asynchronous copy of each into the shard's host tensors (`_HostCopier`), so copying batch b
+    overlaps the forward of batch b + 1. Any extractor with `capture_rows`, `hf_indices`,
+    `hidden_size` and `device` works: the HF engine's `TargetFeatureExtractor` or SGLang's
+    (`eagle3.data.sglang_engine`).
     """
     lengths = [len(s["input_ids"]) for s in members]
-    k, hidden = len(extractor.hf_indices), extractor.hidden_size
-    aux_out = torch.empty((sum(lengths), k * hidden), dtype=dtype)  # [N_tok, k*H]
-    last_out = torch.empty((sum(lengths), hidden), dtype=dtype)  # [N_tok, H]
+    k, hidden, tokens = len(extractor.hf_indices), extractor.hidden_size, sum(lengths)
+    fp8 = dtype == torch.float8_e4m3fn
+    block = scale_block(hidden)
+    outputs = {"aux_hidden_states": torch.empty((tokens, k * hidden), dtype=dtype)}  # [N_tok, k*H]
+    if fp8:
+        outputs[SCALES_KEY] = torch.empty((tokens, k * hidden // block), dtype=torch.float32)
+    outputs["last_hidden_states"] = torch.empty((tokens, hidden), dtype=torch.bfloat16 if fp8 else dtype)
     copier, offset = _HostCopier(extractor.device), 0
     for b in range(0, len(members), batch_size):
         rows = [s["input_ids"] for s in members[b : b + batch_size]]
         aux, last = extractor.capture_rows(rows)  # [n_real, k*H], [n_real, H] on the extractor's device
-        packed = [aux.to(dtype), last.to(dtype)]
+        packed = [*encode_aux_fp8(aux, block), last.bfloat16()] if fp8 else [aux.to(dtype), last.to(dtype)]
         n = aux.shape[0]
-        copier.copy(packed, [aux_out[offset : offset + n], last_out[offset : offset + n]])
+        copier.copy(packed, [out[offset : offset + n] for out in outputs.values()])
         offset += n
     copier.finish()
     return {
@@ -120,8 +127,7 @@ def capture_shard(extractor: FeatureExtractor, members: list[dict], batch_size: 
         "loss_mask": torch.tensor([t for s in members for t in s["loss_mask"]], dtype=torch.uint8),
         "lengths": torch.tensor(lengths, dtype=torch.long),
         "sample_ids": torch.tensor([s["id"] for s in members], dtype=torch.long),
-        "aux_hidden_states": aux_out,
-        "last_hidden_states": last_out,
+        **outputs,
     }
 
 
@@ -145,7 +151,7 @@ def dump_hidden_states(
     todo = [(name, members) for name, members in plan if name not in done]
     todo_tokens = sum(len(s["input_ids"]) for _, members in todo for s in members)
     k, hidden = len(extractor.hf_indices), extractor.hidden_size
-    need = _dump_bytes(todo_tokens, sum(len(m) for _, m in todo), hidden, k, dtype.itemsize)
+    need = _dump_bytes(todo_tokens, sum(len(m) for _, m in todo), hidden, k, data_cfg.hidden_states_dtype)
     check_disk_space(directory, need, log)
     manifest = _manifest_header(extractor, data_cfg, fingerprint, samples)
     entries = dict(done)
@@ -167,7 +173,7 @@ def dump_hidden_states(
     _write_manifest(directory, manifest, [entries[n] for n, _ in plan], complete=True)
     total = sum(e["bytes"] for e in entries.values())
     return {"estimate_bytes": need, "bytes_written": counts["written"], "bytes_total": total,
-            "shards": len(plan), "shards_reused": len(done)}
+            "shards": len(plan), "shards_reused": len(done), "engine": manifest["engine"]}
 
 
 def _capture_and_write(

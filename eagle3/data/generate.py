@@ -47,7 +47,6 @@ from eagle3.data.samples import (
 from eagle3.data.server_pool import FailureLog
 from eagle3.data.sglang_engine import SGLangFeatureExtractor
 from eagle3.data.sglang_engine import settings_for as sglang_settings
-from eagle3.data.shards import STATE_DTYPES
 from eagle3.data.target import load_target
 from eagle3.data.tiny_target import cpu_threads, heldout_corpus
 from eagle3.draft.vocab import build_or_load_draft_vocab
@@ -150,6 +149,17 @@ def _servers(rcfg: RegenerateConfig, open_endpoints: OpenEndpoints | None) -> co
     return open_endpoints()
 
 
+def reusable_samples_meta(target_dir: Path, data_cfg: DataConfig, out_dir: Path) -> dict | None:
+    """samples.meta.json of `out_dir` when its samples.jsonl is intact and was made from this target,
+    these prompts and settings (so no prompt is left to answer), else None."""
+    meta_path, samples_path = Path(out_dir) / SAMPLES_META, Path(out_dir) / SAMPLES_FILE
+    if not (meta_path.is_file() and samples_path.is_file()):
+        return None
+    meta = json.loads(meta_path.read_text())
+    fresh = meta.get("fingerprint") == samples_fingerprint(target_dir, data_cfg)
+    return meta if fresh and meta.get("sha256") == file_sha256(samples_path) else None
+
+
 def _prepare_samples(
     target_dir: Path, data_cfg: DataConfig, tokenizer, stop_ids: list[int], load_model: Callable,
     out_dir: Path, progress: ProgressFn, log: LogFn, open_endpoints: OpenEndpoints | None = None,
@@ -157,11 +167,10 @@ def _prepare_samples(
     """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split."""
     fingerprint = samples_fingerprint(target_dir, data_cfg)
     meta_path, samples_path = out_dir / SAMPLES_META, out_dir / SAMPLES_FILE
-    if meta_path.is_file() and samples_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == fingerprint and meta.get("sha256") == file_sha256(samples_path):
-            log(f"data: reusing {samples_path} (same target, prompts and settings)")
-            return read_samples(samples_path), meta
+    meta = reusable_samples_meta(target_dir, data_cfg, out_dir)
+    if meta is not None:
+        log(f"data: reusing {samples_path} (same target, prompts and settings)")
+        return read_samples(samples_path), meta
     progress("prompts", 0, 1)
     conversations = load_conversations(data_cfg, log)
     progress("prompts", 1, 1)
@@ -229,11 +238,12 @@ def _target_facts(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConf
 def _log_disk_bound(facts: dict, data_cfg: DataConfig, log: LogFn) -> None:
     """Upper bound of the dump before any work (every sample at max_length); the exact need
     is known, and checked against free space, once the samples are tokenized."""
-    k, width = len(facts["hf_indices"]), STATE_DTYPES[data_cfg.hidden_states_dtype].itemsize
-    bound = estimate_hidden_state_bytes(data_cfg.num_samples * data_cfg.max_length, facts["hidden_size"], k, width)
+    k, dtype = len(facts["hf_indices"]), data_cfg.hidden_states_dtype
+    tokens = data_cfg.num_samples * data_cfg.max_length
+    bound = estimate_hidden_state_bytes(tokens, facts["hidden_size"], k, dtype=dtype)
     log(
         f"hidden states: at most {bound / 1e9:.3f} GB = {data_cfg.num_samples} samples x {data_cfg.max_length} "
-        f"tokens x ({k}+1) states x H={facts['hidden_size']} x {width} B"
+        f"tokens x {bound // tokens} B ({k} aux + last state, H={facts['hidden_size']}, {dtype})"
     )
 
 
@@ -251,6 +261,7 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
         "bytes_written": dump["bytes_written"],
         "hidden_states_estimate_bytes": dump["estimate_bytes"],
         "shards_reused": dump["shards_reused"],
+        "capture_engine": dump.get("engine"),
         "chat_template_sha256": chat_template_sha256(tokenizer),
         "regeneration": regeneration_settings(data_cfg.regenerate),
         "vocab": vocab_info,
@@ -372,7 +383,7 @@ def _configs(path: Path) -> tuple[TargetConfig, DataConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m eagle3.data.generate --target-dir T --out-dir O --config C.json [--endpoint URL ...]
-    [--samples-only]`: the data stage where the target is (data.host). Progress, log lines and the
+    [--samples-only | --plan]`: the data stage where the target is (data.host). Progress, log lines and the
     outcome are JSON lines on stdout; the summary is also written to O/summary.json."""
     import argparse
 
@@ -382,8 +393,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="JSON with the target and data config sections")
     parser.add_argument("--endpoint", action="append", default=[], help="a regeneration server's base URL")
     parser.add_argument("--samples-only", action="store_true", help="stop after samples and vocab (no capture)")
+    parser.add_argument("--plan", action="store_true",
+                        help="only check the settings against the target and report whether the samples are done")
     args = parser.parse_args(argv)
     target_cfg, data_cfg = _configs(Path(args.config))
+    if args.plan:  # settings the target cannot take fail here, before any server is started for them
+        _target_facts(Path(args.target_dir), target_cfg, data_cfg)
+        ready = reusable_samples_meta(Path(args.target_dir), data_cfg, Path(args.out_dir)) is not None
+        _emit("done", samples_ready=ready)
+        return 0
     if args.samples_only:
         data_cfg = data_cfg.model_copy(update={"hidden_states": "online"})
     urls = list(args.endpoint)

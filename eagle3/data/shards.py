@@ -1,7 +1,9 @@
 """The hidden-state shard format: safetensors files that pack their samples back to back
 (`input_ids` [N_tok] int64, `loss_mask` [N_tok] uint8, `lengths` [N] int64, `sample_ids` [N]
-int64, `aux_hidden_states` [N_tok, k*H], `last_hidden_states` [N_tok, H]) and `manifest.json`,
-which lists each finished shard with its sha256.
+int64, `aux_hidden_states` [N_tok, k*H], `last_hidden_states` [N_tok, H], and for
+`float8_e4m3` datasets `aux_scales` [N_tok, k*H/block] fp32: eagle3/data/state_codec.py) and
+`manifest.json`, which lists each finished shard with its sha256 and says the states' dtype and
+scale layout.
 
 Risk: a kill mid-write. A shard is written under a hidden temp name and renamed only once
 complete; the sha256 is taken of the bytes as they are written; a resumed dump keeps only the
@@ -23,10 +25,10 @@ import torch
 from eagle3.config import DataConfig
 from eagle3.data.capture import FeatureExtractor
 from eagle3.data.files import atomic_write_text, file_sha256, removed_on_failure
+from eagle3.data.state_codec import STATE_DTYPES, manifest_state_fields  # noqa: F401 (STATE_DTYPES: re-exported)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def plan_shards(samples: list[dict], shard_size: int) -> list[tuple[str, list[dict]]]:
@@ -40,7 +42,7 @@ def plan_shards(samples: list[dict], shard_size: int) -> list[tuple[str, list[di
 
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-                       torch.uint8: "U8"}
+                       torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 _WRITE_BLOCK = 64 << 20
 
 
@@ -147,7 +149,7 @@ def _manifest_header(
         "hf_indices": extractor.hf_indices,
         "num_aux": len(extractor.hf_indices),
         "engine": extractor.engine_record(),
-        "dtype": data_cfg.hidden_states_dtype,
+        **manifest_state_fields(data_cfg.hidden_states_dtype, extractor.hidden_size),
         "max_length": data_cfg.max_length,
         "num_samples": {sp: sum(s["split"] == sp for s in samples) for sp in ("train", "validation")},
         "num_tokens": {

@@ -2,6 +2,8 @@
 
 - `model`: the draft module (fc over the target's aux states, one decoder layer, norm, lm_head;
   HF/SGLang weight names) and its TTT step.
+- `fused_layer`: the layer's weights as the TTT unroll uses them (fused, cast once, gradients
+  summed inside the GEMMs).
 - `masks`: causal and TTT attention masks.
 - `losses`: the teacher distribution restricted to the draft vocabulary and the chunked soft
   cross-entropy.

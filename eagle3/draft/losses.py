@@ -21,9 +21,22 @@ import torch
 from torch import Tensor
 
 
+def _teacher_chunk(logits: Tensor, t2d: Tensor, columns: Tensor, softcap: float | None):
+    """Target logits [n, V] -> (draft-vocab softmax fp32 [n, Vd], its argmax [n], full argmax in vocab [n])."""
+    if softcap:
+        logits = torch.tanh(logits.float() / softcap) * softcap
+    in_vocab = t2d[logits.argmax(-1)]
+    draft_logits = logits.index_select(-1, columns).float()  # [n, Vd]
+    return torch.softmax(draft_logits, dim=-1), draft_logits.argmax(-1), in_vocab
+
+
+_teacher_chunk_fn: Callable = _teacher_chunk
+
+
 @torch.no_grad()
 def compute_teacher(
-    last_hidden_states: Tensor, lm_head: Tensor, t2d: Tensor, chunk_tokens: int = 4096, softcap: float | None = None
+    last_hidden_states: Tensor, lm_head: Tensor, t2d: Tensor, chunk_tokens: int = 4096, softcap: float | None = None,
+    columns: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Teacher soft labels over the draft vocabulary.
 
@@ -32,22 +45,22 @@ def compute_teacher(
         lm_head: [V, H_t] target output embedding (any float dtype; the matmul runs in it).
         t2d: bool [V]; True for the Vd target ids of the draft vocab.
         softcap: the target's `final_logit_softcapping` (logits = c * tanh(logits / c)), if any.
+        columns: int64 [Vd] the ascending target ids where t2d is True (`Eagle3DraftModel.
+            draft_vocab_columns`); None = computed here, which waits for the device (nonzero).
     Returns:
         target_p fp32 [B, T, Vd], target_ids int64 [B, T] (argmax in draft-vocab ids),
         in_vocab bool [B, T] (the full-vocab argmax is a draft-vocab token).
     """
     b, t, h = last_hidden_states.shape
     flat = last_hidden_states.reshape(b * t, h)
-    columns = t2d.nonzero().squeeze(-1)
+    columns = t2d.nonzero().squeeze(-1) if columns is None else columns
     probs, ids, in_vocab = [], [], []
     for start in range(0, b * t, chunk_tokens):
         logits = flat[start : start + chunk_tokens].to(lm_head.dtype) @ lm_head.T  # [n, V]
-        if softcap:
-            logits = torch.tanh(logits.float() / softcap) * softcap
-        in_vocab.append(t2d[logits.argmax(-1)])
-        draft_logits = logits.index_select(-1, columns).float()  # [n, Vd]
-        probs.append(torch.softmax(draft_logits, dim=-1))
-        ids.append(draft_logits.argmax(-1))
+        p_c, ids_c, in_vocab_c = _teacher_chunk_fn(logits, t2d, columns, softcap)
+        probs.append(p_c)
+        ids.append(ids_c)
+        in_vocab.append(in_vocab_c)
     return (
         torch.cat(probs).view(b, t, -1),
         torch.cat(ids).view(b, t),
@@ -55,10 +68,13 @@ def compute_teacher(
     )
 
 
-def _soft_ce_chunk(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: Tensor, scale: Tensor):
+def _soft_ce_chunk(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: Tensor, scale: Tensor,
+                   grad_out: Tensor | None = None):
     """logits [n, Vd] -> (ce_sum fp32, scale * d ce_sum / d logits in the logits' dtype, correct [n]).
 
-    Softmax and the loss run in fp32 whatever the logits' dtype."""
+    Softmax and the loss run in fp32 whatever the logits' dtype. With `grad_out` ([n, Vd], a slice of
+    the buffer the head's weight-gradient GEMM reads) the gradient is written there (compiled, the
+    kernel stores into it directly) and returned as that buffer."""
     logits32 = logits.float()
     logq = torch.log_softmax(logits32, dim=-1)
     validf = valid.float()
@@ -66,6 +82,9 @@ def _soft_ce_chunk(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: 
     # d/dz [-sum_v p_v log softmax(z)_v] = softmax(z) * sum(p) - p = softmax(z) - p
     grad = ((logq.exp() - target_p) * (validf * scale)[:, None]).to(logits.dtype)
     correct = (logits32.argmax(-1) == target_ids) & valid
+    if grad_out is not None:
+        grad_out.copy_(grad)
+        grad = grad_out
     return ce_sum, grad, correct
 
 
@@ -80,49 +99,78 @@ _GRAD_BUFFER_BYTES = 2 << 30
 
 
 def compile_loss_chunk(**compile_kwargs) -> None:
-    """Use torch.compile'd chunk kernels (fuse the fp32 softmax passes) from now on."""
-    global _chunk_fn, _scaled_cast_fn
+    """Use torch.compile'd chunk kernels (fuse the fp32 softmax passes, and the teacher's
+    argmax/column gather/softmax) from now on."""
+    global _chunk_fn, _scaled_cast_fn, _teacher_chunk_fn
     _chunk_fn = torch.compile(_soft_ce_chunk, **compile_kwargs)
     _scaled_cast_fn = torch.compile(_scaled_cast, **compile_kwargs)
+    _teacher_chunk_fn = torch.compile(_teacher_chunk, **compile_kwargs)
+
+
+def uncompile_loss_chunk() -> None:
+    global _chunk_fn, _scaled_cast_fn, _teacher_chunk_fn
+    _chunk_fn, _scaled_cast_fn, _teacher_chunk_fn = _soft_ce_chunk, _scaled_cast, _teacher_chunk
 
 
 def _run_steps(hiddens, weight, targets, scales, chunk_rows, need_grads):
-    """Per-step CE sums [K], correct rows, per-step grad_h, grad_w (= sum_k scale_k g_k^T h_k)."""
+    """Per-step CE sums [K], correct rows, per-step grad_h, grad_w (= sum_k scale_k g_k^T h_k).
+
+    The logit gradients of all steps go into one buffer (`_GradRows`) that a single GEMM reads
+    for the head's weight gradient."""
     w = weight.to(hiddens[0].dtype)  # one cast for all steps
     ce_sums, correct, grad_hs = [], [], []
-    grad_w, pending_g, pending_h, pending_bytes = None, [], [], 0
+    rows = _GradRows(sum(h.shape[0] for h in hiddens), w.shape[0], w.dtype, w.device) if need_grads else None
     for k, (hidden, (target_p, target_ids, valid)) in enumerate(zip(hiddens, targets)):
         grad_h = torch.empty_like(hidden) if need_grads else None
         ce_k = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[0], chunk_rows):
             h_c = hidden[s : s + chunk_rows]
             ce, g, ok = _chunk_fn(h_c @ w.T, target_p[s : s + chunk_rows], target_ids[s : s + chunk_rows],
-                                  valid[s : s + chunk_rows], scales[k])
+                                  valid[s : s + chunk_rows], scales[k],
+                                  rows.take(h_c) if need_grads else None)
             ce_k = ce_k + ce
             correct.append(ok)
             if need_grads:
-                grad_h[s : s + chunk_rows] = g @ w
-                pending_g.append(g)
-                pending_h.append(h_c)
-                pending_bytes += g.numel() * g.element_size()
-                if pending_bytes >= _GRAD_BUFFER_BYTES:
-                    grad_w = _flush_weight_grad(grad_w, pending_g, pending_h)
-                    pending_bytes = 0
+                torch.mm(g, w, out=grad_h[s : s + chunk_rows])
         ce_sums.append(ce_k)
         grad_hs.append(grad_h)
-    if need_grads and pending_g:
-        grad_w = _flush_weight_grad(grad_w, pending_g, pending_h)
-    return torch.stack(ce_sums), torch.cat(correct), grad_hs, grad_w
+    return torch.stack(ce_sums), torch.cat(correct), grad_hs, rows.weight_grad() if need_grads else None
 
 
-def _flush_weight_grad(grad_w, pending_g, pending_h):
-    """One GEMM over every gathered row: cat(g)^T cat(h) [Vd, H]; fp32 sum across flushes."""
-    g = pending_g[0] if len(pending_g) == 1 else torch.cat(pending_g)
-    h = pending_h[0] if len(pending_h) == 1 else torch.cat(pending_h)
-    pending_g.clear()
-    pending_h.clear()
-    product = g.T @ h
-    return product if grad_w is None else grad_w.float().add_(product)
+class _GradRows:
+    """Logit-gradient rows of every step, gathered for one weight-gradient GEMM: cat(g)^T cat(h).
+
+    `take(h)` hands out the next [n, Vd] slice of a buffer of at most `_GRAD_BUFFER_BYTES`
+    (the chunk kernel writes its gradient there, no copy) and remembers h; a full buffer is
+    flushed into the fp32 sum first."""
+
+    def __init__(self, total_rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+        capacity = max(1, min(total_rows, _GRAD_BUFFER_BYTES // (width * dtype.itemsize)))
+        self.buffer = torch.empty(capacity, width, dtype=dtype, device=device)
+        self.filled, self.hiddens, self.grad_w = 0, [], None
+
+    def take(self, h: Tensor) -> Tensor:
+        n = h.shape[0]
+        if self.filled + n > self.buffer.shape[0]:
+            self._flush()
+        if n > self.buffer.shape[0]:  # a chunk wider than the whole budget gets its own buffer
+            self.buffer = torch.empty(n, self.buffer.shape[1], dtype=self.buffer.dtype, device=self.buffer.device)
+        view = self.buffer[self.filled : self.filled + n]
+        self.filled += n
+        self.hiddens.append(h)
+        return view
+
+    def _flush(self) -> None:
+        if not self.filled:
+            return
+        h = self.hiddens[0] if len(self.hiddens) == 1 else torch.cat(self.hiddens)
+        product = self.buffer[: self.filled].T @ h  # [Vd, H]
+        self.grad_w = product if self.grad_w is None else self.grad_w.float().add_(product)
+        self.filled, self.hiddens = 0, []
+
+    def weight_grad(self) -> Tensor:
+        self._flush()
+        return self.grad_w
 
 
 class _SoftCrossEntropySteps(torch.autograd.Function):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.draft.masks import build_causal_mask, build_ttt_attention_mask
+from eagle3.draft.fused_layer import FusedLayerWeights, compile_upcast, fuse_layer_weights, uncompile_upcast
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -316,6 +317,7 @@ class Eagle3DraftModel(nn.Module):
         self.register_buffer("t2d", t2d)
         self._qkv_fn: Callable = self._ttt_qkv
         self._finish_fn: Callable = self._ttt_finish
+        self._pieces: dict[str, Callable] = self._fused_pieces()
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -346,6 +348,11 @@ class Eagle3DraftModel(nn.Module):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocab ids -> target-vocab ids (d2t holds offsets, as SGLang's `hot_token_id`)."""
         return draft_ids + self.d2t[draft_ids]
+
+    def draft_vocab_columns(self) -> Tensor:
+        """int64 [Vd]: the ascending target ids of the draft vocab (where t2d is True; see
+        set_vocab_mapping), computed without waiting for the device as t2d.nonzero() would."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     @torch.no_grad()
     def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -429,6 +436,10 @@ class Eagle3DraftModel(nn.Module):
         out = self.midlayer.finish(attn, hidden_states, weights)
         return out, self.norm(out)
 
+    def fused_layer_weights(self, dtype: torch.dtype | None) -> FusedLayerWeights:
+        """The layer's weights for one TTT unroll, fused and cast once (see eagle3/draft/fused_layer.py)."""
+        return fuse_layer_weights(self.midlayer, dtype)
+
     def ttt_step(
         self,
         input_ids: Tensor,
@@ -436,7 +447,7 @@ class Eagle3DraftModel(nn.Module):
         position_ids: Tensor,
         cache: TTTCache,
         attn_impl: str = "fast",
-        weights: dict[str, Tensor] | None = None,
+        weights: dict[str, Tensor] | FusedLayerWeights | None = None,
         return_normed: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """One TTT unroll step; appends this step's keys to `cache`.
@@ -445,21 +456,82 @@ class Eagle3DraftModel(nn.Module):
             input_ids: [B, T] token inputs of this step (already shifted by the caller);
             hidden_states: [B, T, H] fc output (step 0) or the previous step's output;
             position_ids: [B, T] RoPE positions (t + step); attn_impl: "fast" | "dense";
-            weights: optional `cast_layer_weights` copies to use instead of the parameters.
+            weights: optional `cast_layer_weights` copies to use instead of the parameters, or
+                `fused_layer_weights` (the training path: fused GEMMs, weight gradients summed in them).
         Returns:
             pre-norm output [B, T, H]; with return_normed also norm(output) (the lm_head input).
         """
+        if isinstance(weights, FusedLayerWeights):
+            out, normed = self._fused_ttt_step(input_ids, hidden_states, position_ids, cache, attn_impl, weights)
+            return (out, normed) if return_normed else out
         q, k, v = self._qkv_fn(input_ids, hidden_states, position_ids, weights)
         cache.append(k, v)
         attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)
         out, normed = self._finish_fn(attn, hidden_states, weights)
         return (out, normed) if return_normed else out
 
+    def _fused_ttt_step(self, input_ids: Tensor, hidden_states: Tensor, position_ids: Tensor, cache: TTTCache,
+                        attn_impl: str, weights: FusedLayerWeights) -> tuple[Tensor, Tensor]:
+        """`ttt_step` as GEMMs (eager, `FusedLayerWeights.linear`) between compiled elementwise pieces.
+
+        The GEMMs stay outside the compiled graphs so that each weight's gradient over the unroll
+        is summed inside its backward GEMMs instead of by autograd's adds."""
+        b, t, _ = hidden_states.shape
+        pieces = self._pieces
+        x = pieces["input"](input_ids, hidden_states)  # [B, T, 2H]
+        q, k, v = pieces["rope"](weights.linear("qkv", x), position_ids)  # [B, nh | n_kv, T, d]
+        cache.append(k, v)
+        attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)  # [B, nh, T, d]
+        attn_out = weights.linear("o", attn.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
+        residual, normed_r = pieces["post_attention"](hidden_states, attn_out)
+        mlp_in = pieces["act"](weights.linear("gate_up", normed_r))  # [B, T, F]
+        return pieces["final"](residual, weights.linear("down", mlp_in))
+
+    # the fused step's elementwise pieces (compiled by compile_layer)
+    def _fused_input(self, input_ids: Tensor, hidden_states: Tensor) -> Tensor:
+        layer = self.midlayer
+        embeds = self._embed(input_ids, hidden_states.dtype)
+        return torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden_states)], dim=-1)
+
+    def _fused_rope(self, qkv: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """qkv [B, T, (nh + 2 n_kv) d] -> q [B, nh, T, d], k/v [B, n_kv, T, d], RoPE on q and k."""
+        b, t, _ = qkv.shape
+        nh, n_kv, d = self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
+        q, k, v = qkv.split([nh * d, n_kv * d, n_kv * d], dim=-1)
+        cos, sin = self.rotary_emb(position_ids, qkv.dtype)
+        q = apply_rotary(q.view(b, t, nh, d).transpose(1, 2), cos, sin)
+        k = apply_rotary(k.view(b, t, n_kv, d).transpose(1, 2), cos, sin)
+        return q, k, v.view(b, t, n_kv, d).transpose(1, 2)
+
+    def _fused_post_attention(self, hidden_states: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
+        residual = hidden_states + attn_out
+        return residual, self.midlayer.post_attention_layernorm(residual)
+
+    def _fused_act(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.midlayer.mlp.act(gate) * up
+
+    def _fused_final(self, residual: Tensor, mlp_out: Tensor) -> tuple[Tensor, Tensor]:
+        out = residual + mlp_out
+        return out, self.norm(out)
+
+    def _fused_pieces(self) -> dict[str, Callable]:
+        return {"input": self._fused_input, "rope": self._fused_rope, "post_attention": self._fused_post_attention,
+                "act": self._fused_act, "final": self._fused_final}
+
     def compile_layer(self, **compile_kwargs: Any) -> None:
-        """torch.compile the two dense halves of the layer and the TTT attention's merge math."""
+        """torch.compile the layer's elementwise pieces (both step forms) and the TTT attention's merge math."""
         self._qkv_fn = torch.compile(self._ttt_qkv, **compile_kwargs)
         self._finish_fn = torch.compile(self._ttt_finish, **compile_kwargs)
+        self._pieces = {name: torch.compile(fn, **compile_kwargs) for name, fn in self._fused_pieces().items()}
+        compile_upcast(**compile_kwargs)
         compile_ttt_attention(**compile_kwargs)
+
+    def uncompile_layer(self) -> None:
+        """Back to the eager layer and attention merge (benchmarks compare both)."""
+        self._qkv_fn, self._finish_fn, self._pieces = self._ttt_qkv, self._ttt_finish, self._fused_pieces()
+        uncompile_upcast()
+        uncompile_ttt_attention()
 
 
 # ====================================================================== TTT attention
@@ -518,28 +590,66 @@ def _flash_backend(q: Tensor) -> str | None:
     return None
 
 
+# Kernel of the causal block on CUDA: "cudnn" (cuDNN's fused attention, Hopper-native: ~2x
+# PyTorch's FA2 kernels on an H200), "flash" (FA2), or "auto" = cudnn where it runs, else flash.
+# Both return the natural-log LSE and accept the merged (out, lse) in backward.
+CAUSAL_BACKENDS = ("auto", "cudnn", "flash")
+_causal_backend = "auto"
+_cudnn_refused: set[tuple] = set()  # (dtype, head_dim, gqa) cuDNN raised for: flash from then on
+
+
+def set_causal_attention_backend(name: str) -> None:
+    """Pick the CUDA kernel of the TTT attention's causal block (see CAUSAL_BACKENDS)."""
+    global _causal_backend
+    if name not in CAUSAL_BACKENDS:
+        raise ValueError(f"causal attention backend: expected one of {CAUSAL_BACKENDS}, found {name!r}")
+    _causal_backend = name
+
+
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    """Causal flash attention returning (out [B,nh,T,d], lse fp32 [B,nh,T], state for backward)."""
+    """Causal attention returning (out [B,nh,T,d], lse fp32 [B,nh,T], state for backward)."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        return out, lse, ()
+        return out, lse, ("cpu",)
+    key = (q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
+    if _causal_backend != "flash" and key not in _cudnn_refused:
+        try:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+                torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale))
+            return out, lse.view(lse.shape[:3]), ("cudnn", cum_q, cum_k, max_q, max_k, seed, offset)
+        except RuntimeError:  # this cuDNN/shape combination is not supported
+            if _causal_backend == "cudnn":
+                raise
+            _cudnn_refused.add(key)
     out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, True, False, scale=scale
     )
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    return out, lse, ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
 
 
 def _flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, state: tuple, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if q.device.type == "cpu":
+    kind, *rest = state
+    if kind == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, True, scale=scale
         )
-    cum_q, cum_k, max_q, max_k, seed, offset = state
+    cum_q, cum_k, max_q, max_k, seed, offset = rest
+    if kind == "cudnn":
+        # cuDNN reads dO in out's layout; its LSE is [B, nh, T, 1]
+        dout = dout if dout.stride() == out.stride() else _like(dout, out)
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True,
+            scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
     )
+
+
+def _like(x: Tensor, ref: Tensor) -> Tensor:
+    """A copy of `x` with `ref`'s memory layout (same shape)."""
+    return torch.empty_strided(ref.shape, ref.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _merge_forward(q: Tensor, o_c: Tensor, lse_c: Tensor, keys: list[Tensor], values: list[Tensor], scale: float):
@@ -556,10 +666,11 @@ def _merge_forward(q: Tensor, o_c: Tensor, lse_c: Tensor, keys: list[Tensor], va
     return merged.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
-def _diag_backward(q: Tensor, dout: Tensor, out: Tensor, lse: Tensor, keys: list[Tensor], values: list[Tensor], scale: float):
+def _diag_backward(q: Tensor, dout: Tensor, out: Tensor, lse: Tensor, keys: list[Tensor], values: list[Tensor],
+                   scale: float, dq_causal: Tensor):
     """Gradients of the diagonal terms: dd_s = p_s (dO.V_s - D), D = rowsum(dO * out).
 
-    Returns (dq contribution fp32 [B, nh, T, d], [dK_s], [dV_s]).
+    Returns (dq [B, nh, T, d] in q's dtype = dq_causal + the diagonal terms' share, [dK_s], [dV_s]).
     """
     b, nh, t, d = q.shape
     n_kv = keys[0].shape[1]
@@ -576,7 +687,7 @@ def _diag_backward(q: Tensor, dout: Tensor, out: Tensor, lse: Tensor, keys: list
         dq = dq + dd[..., None] * kf
         dks.append((dd[..., None] * qg).sum(2).to(k.dtype))
         dvs.append((p[..., None] * do).sum(2).to(v.dtype))
-    return dq.reshape(b, nh, t, d), dks, dvs
+    return (dq.reshape(b, nh, t, d) + dq_causal.float()).to(q.dtype), dks, dvs
 
 
 _merge_fn: Callable = _merge_forward
@@ -592,6 +703,11 @@ def compile_ttt_attention(**compile_kwargs: Any) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 40)
     _merge_fn = torch.compile(_merge_forward, **compile_kwargs)
     _diag_backward_fn = torch.compile(_diag_backward, **compile_kwargs)
+
+
+def uncompile_ttt_attention() -> None:
+    global _merge_fn, _diag_backward_fn
+    _merge_fn, _diag_backward_fn = _merge_forward, _diag_backward
 
 
 class _FastTTTAttention(torch.autograd.Function):
@@ -640,5 +756,5 @@ class _FastTTTAttention(torch.autograd.Function):
             dq, dk0, dv0 = _flash_backward(dout, q, k0, v0, out, lse, ctx.state, scale)
         if steps == 0:
             return dq, dk0, dv0
-        dq_diag, dks, dvs = _diag_backward_fn(q, dout, out, lse, list(diag[:steps]), list(diag[steps:]), scale)
-        return ((dq.float() + dq_diag).to(q.dtype), dk0, dv0, *dks, *dvs)
+        dq, dks, dvs = _diag_backward_fn(q, dout, out, lse, list(diag[:steps]), list(diag[steps:]), scale, dq)
+        return (dq, dk0, dv0, *dks, *dvs)

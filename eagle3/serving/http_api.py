@@ -29,7 +29,20 @@ Deliberate deviations: a body with both `text` and `input_ids` is refused (SGLan
 uses `input_ids`); a lone UTF-16 surrogate in any string is a 400 naming the field (SGLang's
 tokenizer raises a TypeError there, i.e. a 500); a streaming request is checked before the
 stream opens, so a bad one gets the 400 JSON body (SGLang opens the 200 stream first and sends
-the refusal as its error chunk).
+the refusal as its error chunk); `sampling_params.n` and `seed` are bounded (`requests.py`); a body
+nested deeper than MAX_BODY_DEPTH levels is a 400 flat ErrorResponse (SGLang's JSON parser raises
+RecursionError there: a 500).
+
+Off the event loop, so /health answers at once while a huge prompt is handled: a body is parsed and
+validated, and its texts tokenized (chat template included), in worker threads (SGLang's tokenizer
+manager tokenizes on its event loop; here a 20 MB text held every health check for ~a minute).
+Prompt length is checked before token ids are scanned, as SGLang's `_validate_one_request` does.
+
+A client that goes away: a whole (non-streaming) answer's wait checks for the disconnect every
+DISCONNECT_POLL_S (SGLang's `_wait_one_response` checks every 4 s) and then cancels every request
+of the call -- queued ones leave the queue at once, running ones at the next decode iteration --
+answering a 400 nobody reads, as SGLang does; a stream's requests are cancelled when its response
+stops. A disconnect mid-body is one info line, never an internal-error traceback.
 
 Risk: drift from SGLang's shapes; names and formats follow `srt/entrypoints/http_server.py`.
 """
@@ -49,10 +62,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from eagle3.serving.decoding import SamplingParams
 from eagle3.serving.requests import (
     ChatBody,
+    ClientGone,
     CompletionBody,
     GenerateBody,
     InternalError,
@@ -72,6 +87,8 @@ SGLANG_VERSION = "0.5.23+eagleops"
 
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
+DISCONNECT_POLL_S = 1.0  # how often a whole answer's wait looks for a client that went away
+MAX_BODY_DEPTH = 64  # JSON nesting levels of a body; the endpoints' own schemas need 4
 
 
 OPENAI_ERROR_TYPES = {400: "BadRequest", 500: "InternalServerError", 503: "ServiceUnavailable"}
@@ -99,6 +116,9 @@ ErrorBody = Callable[[str, int], dict]
 def _error_status(exc: Exception) -> tuple[int, str]:
     """(HTTP status, message) for what a handler raised; logs the traceback of our own failures."""
     if isinstance(exc, RequestError):
+        return 400, str(exc)
+    if isinstance(exc, ClientGone):  # nobody reads the answer: one line, no traceback
+        logger.info(f"Request dropped: {exc}")
         return 400, str(exc)
     if isinstance(exc, NotReady):
         return 503, str(exc)
@@ -131,11 +151,22 @@ async def _sse(chunks: AsyncIterator[dict], error_chunk: ErrorBody) -> AsyncIter
 
 
 async def _body_of(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body validated against the endpoint's schema (SchemaError), lone surrogates refused."""
+    """The JSON body validated against the endpoint's schema (SchemaError), parsed in a worker thread."""
     try:
-        data = await request.json()
+        raw = await request.body()
+    except ClientDisconnect as e:
+        raise ClientGone("the client disconnected before its request body was complete") from e
+    return await asyncio.to_thread(_parsed_body, raw, model)
+
+
+def _parsed_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """JSON -> nesting and lone surrogates checked -> the endpoint's schema."""
+    try:
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SchemaError(f"invalid JSON body: {e}") from e
+    except RecursionError as e:  # the parser's own stack ran out: far past MAX_BODY_DEPTH
+        raise SchemaError(f"invalid JSON body: nested deeper than {MAX_BODY_DEPTH} levels") from e
     _reject_lone_surrogates(data, "")
     return _validated(model, data, "", SchemaError)
 
@@ -154,22 +185,27 @@ def _validated(model: type[BaseModel], data: Any, prefix: str, error: type[Reque
 
 def _reject_lone_surrogates(value: Any, path: str) -> None:
     """JSON may carry "\\ud800"; Python keeps it as a lone surrogate that no tokenizer or UTF-8 writer takes.
+    Walked with a stack of its own (never Python's: a deep body is a SchemaError past MAX_BODY_DEPTH).
 
     Example: {"text": "a\\ud800"} -> RequestError("text is not valid unicode: lone surrogate '\\ud800' at index 1").
     """
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise RequestError(f"{path or 'body'} is not valid unicode: lone surrogate {value[e.start]!r} "
-                               f"at index {e.start}") from e
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _reject_lone_surrogates(key, f"{path}.<key>" if path else "<key>")
-            _reject_lone_surrogates(item, f"{path}.{key}" if path else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _reject_lone_surrogates(item, f"{path}[{i}]")
+    stack = [(value, path, 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_BODY_DEPTH:
+            raise SchemaError(f"invalid JSON body: nested deeper than {MAX_BODY_DEPTH} levels (at {path})")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{path or 'body'} is not valid unicode: lone surrogate {value[e.start]!r} "
+                                   f"at index {e.start}") from e
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):  # reversed onto the stack: checked in document order
+                stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+                stack.append((key, f"{path}.<key>" if path else "<key>", depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in reversed(list(enumerate(value))))
 
 
 def _loaded(scheduler: Scheduler) -> Scheduler:
@@ -178,22 +214,27 @@ def _loaded(scheduler: Scheduler) -> Scheduler:
     return scheduler
 
 
-def _encode(scheduler: Scheduler, text: str, name: str) -> list[int]:
+async def _encode(scheduler: Scheduler, text: str, name: str) -> list[int]:
+    """The text's token ids, tokenized in a worker thread (the event loop keeps answering)."""
     if not text:
         raise RequestError(f"{name} is empty")
-    return _loaded(scheduler).tokenizer(text)["input_ids"]
+    tokenizer = _loaded(scheduler).tokenizer
+    return await asyncio.to_thread(lambda: tokenizer(text)["input_ids"])
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def _check_prompt(ids: list[int], name: str, max_new_tokens: int | None, scheduler: Scheduler,
                   settings: ServerSettings) -> list[int]:
-    """A prompt SGLang's tokenizer manager would accept (_validate_one_request), else RequestError."""
+    """A prompt SGLang's tokenizer manager would accept (_validate_one_request), else RequestError.
+    Lengths first: a prompt past the context is refused before its ids are scanned."""
     vocab_size = _loaded(scheduler).engine.target.vocab_size
     context = settings.context_length
     if not ids:
         raise RequestError(f"{name} is empty")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise RequestError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     if len(ids) >= context:
         raise RequestError(f"The input ({len(ids)} tokens) is longer than the model's context length "
                            f"({context} tokens).")
@@ -204,6 +245,9 @@ def _check_prompt(ids: list[int], name: str, max_new_tokens: int | None, schedul
             f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
             f"messages or the completion to fit within the limit."
         )
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise RequestError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
     return ids
 
 
@@ -229,7 +273,7 @@ def _add_admin_routes(app: FastAPI, scheduler: Scheduler, settings: ServerSettin
         reqs = _submit(scheduler, [f"HEALTH_CHECK_{time.time()}"], [[0]], SamplingParams(max_new_tokens=1), (),
                        False)
         try:
-            await asyncio.wait_for(_collect(reqs), timeout=HEALTH_CHECK_TIMEOUT_S)
+            await asyncio.wait_for(_collect(reqs, scheduler), timeout=HEALTH_CHECK_TIMEOUT_S)
         except (asyncio.TimeoutError, InternalError):  # _collect's cleanup cancels the probe
             return Response(status_code=503)
         return Response(status_code=200)
@@ -284,14 +328,14 @@ async def _generate(request: Request, scheduler: Scheduler, settings: ServerSett
     sampling = _validated(SamplingBody, body.sampling_params, "sampling_params")
     batch = _is_batch(body) or sampling.n > 1  # SGLang turns a single prompt with n > 1 into a batch
     prompts = [_check_prompt(ids, name, sampling.max_new_tokens, scheduler, settings)
-               for name, ids in _generate_prompts(body, scheduler)]
+               for name, ids in await _generate_prompts(body, scheduler)]
     prompts = prompts * sampling.n  # SGLang's parallel-sampling order: [p0, p1, p0, p1] for n=2
     sp, stops = _sampling(sampling)
     reqs = _submit(scheduler, _batch_rids(body.rid, len(prompts), batch), prompts, sp, stops, body.stream)
     if body.stream:
-        return StreamingResponse(_sse(_generate_chunks(reqs, batch), generate_error_body),
+        return StreamingResponse(_sse(_generate_chunks(reqs, scheduler, batch), generate_error_body),
                                  media_type="text/event-stream")
-    outs = await _collect(reqs)
+    outs = await _collect(reqs, scheduler, request)
     return outs if batch else outs[0]
 
 
@@ -299,7 +343,7 @@ def _is_batch(body: GenerateBody) -> bool:
     return isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
 
 
-def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tuple[str, list[int]]]:
+async def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tuple[str, list[int]]]:
     """(field name, token ids) per prompt; messages as GenerateReqInput.normalize_batch_and_arguments."""
     if body.text is None and body.input_ids is None:
         raise RequestError("Either text or input_ids should be provided.")
@@ -310,9 +354,10 @@ def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tuple[st
     if not value:
         raise RequestError(f"{field_name} cannot be empty.")
     if not _is_batch(body):
-        return [(field_name, _encode(scheduler, value, field_name) if field_name == "text" else list(value))]
+        return [(field_name, await _encode(scheduler, value, field_name) if field_name == "text" else list(value))]
     named = [(f"{field_name}[{i}]", item) for i, item in enumerate(value)]
-    return [(name, _encode(scheduler, item, name) if field_name == "text" else list(item)) for name, item in named]
+    return [(name, await _encode(scheduler, item, name) if field_name == "text" else list(item))
+            for name, item in named]
 
 
 def _batch_rids(rid: str | None, count: int, batch: bool) -> list[str]:
@@ -339,52 +384,65 @@ def _submit(scheduler: Scheduler, rids: list[str], prompts: list[list[int]], sp:
     return reqs
 
 
-async def _events(reqs: list[ServeRequest]) -> AsyncIterator[tuple[int, str, dict]]:
-    """(index, kind, payload) of one call's requests until all are done; raises the worker's InternalError."""
+async def _events(reqs: list[ServeRequest], scheduler: Scheduler,
+                  request: Request | None = None) -> AsyncIterator[tuple[int, str, dict]]:
+    """(index, kind, payload) of one call's requests until all are done; raises the worker's InternalError,
+    or ClientGone when `request`'s client disconnected while waiting."""
     events, pending = reqs[0].events, len(reqs)
     try:
         while pending:
-            index, kind, payload = await events.get()
+            index, kind, payload = await _next_event(events, request)
             if kind == "error":
                 raise payload
             pending -= kind == "done"
             yield index, kind, payload
-    finally:
-        for req in reqs:  # a no-op once finished; stops the rest after an error or a client gone away
-            req.cancelled = True
+    finally:  # a no-op once finished; stops the rest after an error or a client gone away
+        scheduler.cancel(reqs)
 
 
-async def _collect(reqs: list[ServeRequest]) -> list[dict]:
-    """The final payload of each request, in batch order."""
+async def _next_event(events: asyncio.Queue, request: Request | None) -> tuple[int, str, Any]:
+    """The next event; with `request`, its client checked every DISCONNECT_POLL_S meanwhile."""
+    if request is None:
+        return await events.get()
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), timeout=DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone("the client disconnected before its answer was ready; its requests were "
+                                 "cancelled") from None
+
+
+async def _collect(reqs: list[ServeRequest], scheduler: Scheduler, request: Request | None = None) -> list[dict]:
+    """The final payload of each request, in batch order (cancelled when `request`'s client goes away)."""
     outs: list[dict] = [{} for _ in reqs]
-    async for index, kind, payload in _events(reqs):
+    async for index, kind, payload in _events(reqs, scheduler, request):
         if kind == "done":
             outs[index] = payload
     return outs
 
 
-async def _generate_chunks(reqs: list[ServeRequest], batch: bool) -> AsyncIterator[dict]:
+async def _generate_chunks(reqs: list[ServeRequest], scheduler: Scheduler, batch: bool) -> AsyncIterator[dict]:
     """/generate stream chunks; in a batch each carries its "index" (tokenizer_manager._handle_batch_request)."""
-    async for index, _, payload in _events(reqs):
+    async for index, _, payload in _events(reqs, scheduler):
         yield {**payload, "index": index} if batch else payload
 
 
 async def _completions(request: Request, scheduler: Scheduler, settings: ServerSettings):
     body = await _body_of(request, CompletionBody)
-    ids = list(body.prompt) if isinstance(body.prompt, list) else _encode(scheduler, body.prompt, "prompt")
-    return await _openai(scheduler, settings, body, ids, chat=False)
+    ids = list(body.prompt) if isinstance(body.prompt, list) else await _encode(scheduler, body.prompt, "prompt")
+    return await _openai(request, scheduler, settings, body, ids, chat=False)
 
 
 async def _chat_completions(request: Request, scheduler: Scheduler, settings: ServerSettings):
     body = await _body_of(request, ChatBody)
     tok = _loaded(scheduler).tokenizer
-    text = tok.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    return await _openai(scheduler, settings, body, ids, chat=True)
+    ids = await asyncio.to_thread(_chat_ids, tok, [m.model_dump() for m in body.messages])
+    return await _openai(request, scheduler, settings, body, ids, chat=True)
 
 
-async def _openai(scheduler: Scheduler, settings: ServerSettings, body: _OpenAIBody, ids: list[int], chat: bool):
+async def _openai(request: Request, scheduler: Scheduler, settings: ServerSettings, body: _OpenAIBody,
+                  ids: list[int], chat: bool):
     """Shared /v1/completions and /v1/chat/completions handling."""
     requested = body.max_completion_tokens or body.max_tokens
     _check_prompt(ids, "messages" if chat else "prompt", requested, scheduler, settings)
@@ -397,9 +455,9 @@ async def _openai(scheduler: Scheduler, settings: ServerSettings, body: _OpenAIB
     req = _submit(scheduler, [rid], [ids], sp, stops, body.stream)[0]
     model = body.model or settings.served_model_name
     if body.stream:
-        return StreamingResponse(_sse(_openai_chunks(req, body, model, chat), openai_stream_error_chunk),
+        return StreamingResponse(_sse(_openai_chunks(req, scheduler, body, model, chat), openai_stream_error_chunk),
                                  media_type="text/event-stream")
-    out = (await _collect([req]))[0]
+    out = (await _collect([req], scheduler, request))[0]
     meta = out["meta_info"]
     choice = {"index": 0, "finish_reason": _openai_finish(meta), "matched_stop": _matched(meta)}
     choice.update({"message": {"role": "assistant", "content": out["text"]}} if chat
@@ -411,11 +469,12 @@ async def _openai(scheduler: Scheduler, settings: ServerSettings, body: _OpenAIB
     return resp
 
 
-async def _openai_chunks(req: ServeRequest, body: _OpenAIBody, model: str, chat: bool) -> AsyncIterator[dict]:
+async def _openai_chunks(req: ServeRequest, scheduler: Scheduler, body: _OpenAIBody, model: str,
+                         chat: bool) -> AsyncIterator[dict]:
     """OpenAI stream chunks: text deltas, the finish reason, then usage if asked."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     sent, meta = "", None
-    async for _, kind, payload in _events([req]):
+    async for _, kind, payload in _events([req], scheduler):
         text, meta = payload["text"], payload["meta_info"]
         delta, sent = (text[len(sent):], text) if text.startswith(sent) else ("", sent)
         finish = _openai_finish(meta) if kind == "done" else None

@@ -1,6 +1,11 @@
 """The request bodies of SGLang's endpoints (`/generate`, `/v1/completions`,
 `/v1/chat/completions`) as the reference server checks them, and the errors raised while
 answering a request (each maps to one HTTP status in `eagle3.serving.http_api`).
+
+Bounds SGLang does not set (deliberate: each is a 400 naming the field instead of what SGLang
+does): `sampling_params.n` <= MAX_PARALLEL_SAMPLES (SGLang queues any n: one small body could
+ask for millions of generations); `seed` within a signed 64-bit integer (what a torch generator
+takes, as vLLM bounds it; past it the worker failed: a 500).
 """
 
 from __future__ import annotations
@@ -8,6 +13,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_PARALLEL_SAMPLES = 128  # sampling_params.n: parallel samples per prompt in one call
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class _Body(BaseModel):
@@ -24,8 +32,8 @@ class SamplingBody(_Body):
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, description="parallel samples per prompt (SGLang parallel sampling)")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: int = Field(1, ge=1, le=MAX_PARALLEL_SAMPLES, description="parallel samples per prompt (SGLang parallel sampling)")
 
     @model_validator(mode="after")
     def _top_k_valid(self) -> SamplingBody:
@@ -54,7 +62,7 @@ class _OpenAIBody(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1)
     return_spec_tokens_details: bool = False
@@ -80,6 +88,10 @@ class RequestError(ValueError):
 
 class SchemaError(RequestError):
     """The body is not JSON or does not fit the schema -> 400, flat ErrorResponse on every endpoint."""
+
+
+class ClientGone(Exception):
+    """The client went away (mid-body, or while its answer was generated): nothing to answer, nothing to log."""
 
 
 class NotReady(RuntimeError):

@@ -160,6 +160,16 @@ class Scheduler(threading.Thread):
             self._waiting.extend(reqs)
             self._cv.notify()
 
+    def cancel(self, reqs: list[ServeRequest]) -> None:
+        """Drop one HTTP call's requests (its client went away, or it ended): the waiting ones leave the queue
+        now; a running one leaves at the worker's next decode iteration. A no-op for finished requests."""
+        with self._cv:
+            for req in reqs:
+                req.cancelled = True
+            if any(req.state is None for req in reqs):  # some never admitted: they may still wait
+                dropped = {id(req) for req in reqs}
+                self._waiting = collections.deque(r for r in self._waiting if id(r) not in dropped)
+
     def counts(self) -> tuple[int, int]:
         with self._cv:
             return len(self._running), len(self._waiting)

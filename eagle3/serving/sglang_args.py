@@ -374,8 +374,14 @@ def _handle_adaptive(res: SpecResolution, ns: argparse.Namespace) -> None:
 def _adaptive_candidate_steps(config_path: str | None) -> list[int]:
     if config_path is None:
         return list(DEFAULT_ADAPTIVE_CANDIDATE_STEPS)
-    cfg = json.loads(Path(config_path).read_text())
-    steps = {s for k, entry in cfg.items() if k.isdigit() for s in entry.get("candidate_steps", [])}
+    try:  # SGLang reads it at startup and dies with the same exception
+        cfg = json.loads(Path(config_path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _ResolutionFailure(f"{type(e).__name__}: speculative_adaptive_config {config_path}: {e}") from None
+    entries = [entry for k, entry in cfg.items() if k.isdigit()] if isinstance(cfg, dict) else []
+    lists = [entry["candidate_steps"] for entry in entries
+             if isinstance(entry, dict) and isinstance(entry.get("candidate_steps"), list)]
+    steps = {s for steps_ in lists for s in steps_ if isinstance(s, int) and not isinstance(s, bool)}
     if not steps:
         raise _ResolutionFailure(
             f"ValueError: speculative_adaptive_config {config_path} must contain at least one integer-string BS key "

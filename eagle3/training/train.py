@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from eagle3.config import TrainConfig
+from eagle3.data.capture import aux_ids_to_hf_indices
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.training.checkpoints import load_initial_weights
 from eagle3.training.curves import plot_training_curves
@@ -59,11 +60,21 @@ def _load_vocab_mapping(data_dir: Path, out_dir: Path, vocab_size: int, draft_vo
 
 
 def _check_dataset_layers(manifest: dict, aux_layer_ids: list[int]) -> None:
-    """The features on disk must come from the layers the draft will be served with."""
+    """The features on disk must come from the layers the draft will be served with: the ids asked, and
+    the capture indices the engine actually hooked (recorded in the manifest) must be the ones SGLang
+    captures for those ids."""
     stored = manifest.get("aux_layer_ids")
     if stored is not None and list(stored) != list(aux_layer_ids):
         raise ValueError(f"hidden states were captured at aux layers {stored}, training was asked for "
                          f"{list(aux_layer_ids)}; regenerate the dataset or pass the stored ids")
+    engine = manifest.get("engine")
+    if engine is None or "architecture" not in manifest:
+        return
+    fed = aux_ids_to_hf_indices(manifest["architecture"], list(aux_layer_ids), manifest["num_hidden_layers"])
+    if list(engine["capture_indices"]) != fed:
+        raise ValueError(f"{engine['name']} {engine['version']} captured HF hidden_states {engine['capture_indices']}, "
+                         f"but SGLang feeds aux ids {list(aux_layer_ids)} from HF hidden_states {fed}: the shards "
+                         "hold other layers than the draft will be served; regenerate the dataset")
 
 
 def train_draft(
@@ -97,7 +108,9 @@ def train_draft(
     data_dir = Path(data_dir)
     head = load_target_head(Path(target_dir))
     if online_features is None:
-        train_data, val_data = HiddenStateDataset(data_dir, "train"), HiddenStateDataset(data_dir, "validation")
+        # fp8 shards are decoded by the trainer on its device (Trainer._prepare), not in the loader workers
+        train_data = HiddenStateDataset(data_dir, "train", decode="device")
+        val_data = HiddenStateDataset(data_dir, "validation", decode="device")
         _check_dataset_layers(train_data.manifest, aux_layer_ids)
     else:
         train_data, val_data = TokenizedDataset(data_dir, "train"), TokenizedDataset(data_dir, "validation")

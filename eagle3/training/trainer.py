@@ -23,8 +23,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from eagle3.config import TrainConfig
+from eagle3.data.state_codec import decode_aux
 from eagle3.draft.losses import compile_loss_chunk, compute_teacher
 from eagle3.draft.model import Eagle3DraftModel
+from eagle3.training import adamw
 from eagle3.training.checkpoints import (
     draft_state_dict,
     find_latest_checkpoint,
@@ -46,7 +48,7 @@ MetricsFn = Callable[[int, dict[str, float]], None]
 ProgressFn = Callable[[int, int], None]
 # Fields that may change between a run and its resume: they do not change the math.
 RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpoints", "num_workers", "prefetch_factor",
-                    "eval_max_batches", "rendezvous"}
+                    "eval_max_batches", "rendezvous", "stall_timeout_s"}
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float) -> Tensor:
@@ -54,8 +56,9 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
 
     A fused (Adam/AdamW) optimizer divides the gradients by its `grad_scale` inside its own
     kernel (the GradScaler protocol), so the clip factor is handed to it there instead of
-    rescaling every gradient in a separate pass; other optimizers (and DTensor gradients
-    under FSDP) use clip_grad_norm_.
+    rescaling every gradient in a separate pass (or to `eagle3.training.adamw`'s compiled update,
+    once `compile_adamw()` was called); other optimizers (and DTensor gradients under FSDP) use
+    clip_grad_norm_.
     """
     fused = all(group.get("fused") for group in optimizer.param_groups)
     grads = [p.grad for p in params if p.grad is not None]
@@ -64,7 +67,11 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
         optimizer.step()
         return norm
     norm = torch.nn.utils.get_total_norm(grads)
-    optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_'s coefficient
+    coefficient = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_'s coefficient
+    if adamw.eligible(optimizer) and grads and grads[0].is_cuda:  # the compiled one-pass update (adamw.py)
+        adamw.adamw_step(optimizer, coefficient)
+        return norm
+    optimizer.grad_scale = coefficient
     try:
         optimizer.step()
     finally:
@@ -114,6 +121,7 @@ class Trainer:
         if cfg.compile and self.device.type == "cuda":
             self.draft.compile_layer()
             compile_loss_chunk()
+            adamw.compile_adamw()
         self.module = Eagle3TTTModule(self.draft, cfg)
         self.model = self._wrap(self.module)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -194,7 +202,10 @@ class Trainer:
         real_tokens = int(host_mask.sum())
         batch = {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
-        if "aux_hidden_states" in batch:
+        if "aux_scales" in batch:  # fp8 shards (HiddenStateDataset decode="device"): decoded here, on the device
+            aux = decode_aux(batch["aux_hidden_states"], batch["aux_scales"], self.autocast_dtype or torch.float32)
+            last = batch["last_hidden_states"]
+        elif "aux_hidden_states" in batch:
             aux, last = batch["aux_hidden_states"], batch["last_hidden_states"]
         elif self.online_features is not None:
             with torch.no_grad():
@@ -203,7 +214,8 @@ class Trainer:
             raise ValueError("batch has no aux_hidden_states and no online_features extractor was given")
         aux = aux.to(self.device, self.autocast_dtype or torch.float32)
         target_p, target_ids, in_vocab = compute_teacher(last.to(self.device), self.lm_head, self.draft.t2d,
-                                                         self.cfg.loss_chunk_tokens, self.logit_softcap)
+                                                         self.cfg.loss_chunk_tokens, self.logit_softcap,
+                                                         columns=self.draft.draft_vocab_columns())
         loss_mask = batch["loss_mask"].to(self.device).bool() & attention_mask
         inputs = dict(input_ids=input_ids, aux_hidden_states=aux, loss_mask=loss_mask,
                       target_p=target_p, target_ids=target_ids, in_vocab=in_vocab)

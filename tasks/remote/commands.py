@@ -20,15 +20,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tasks.remote.log import logger
+from tasks.secrets import SECRET_NAME as SECRET_ENV_KEY
 
 # `timeout -k`: seconds between SIGTERM and SIGKILL for a command that overran its timeout.
 KILL_AFTER_S = 5
-SECRET_ENV_KEY = re.compile(r"KEY|TOKEN|PASSWORD|PASSWD|SECRET|PASSPHRASE|CREDENTIAL", re.IGNORECASE)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MASK = "****"
 # Exit status of `timeout` when it had to stop the command (TERM, then KILL).
 TIMEOUT_EXIT_STATUSES = (124, 137)
-MISSING = 3  # exit status the helper scripts below use for "no such file"
+MISSING = 3  # exit status the helper scripts below use for "no such file" (or process)
+NOT_OURS = 4  # _KILL_GROUP_SCRIPT: the pid belongs to another process than the one recorded
 
 
 @dataclass
@@ -149,7 +150,10 @@ echo "$got"
 # Files under $1 (symlinks followed, as `scp -r` does), relative to it, NUL-separated so any
 # file name survives.
 _LIST_FILES_SCRIPT = '[ -d "$1" ] || exit 3; cd "$1" && exec find -L . -type f -print0'
-_READ_SCRIPT = '[ -f "$1" ] || exit 3; if [ -n "$2" ]; then exec tail -n "$2" "$1"; fi; exec cat "$1"'
+# The last $2 lines, or from line $3 on (`tail -n +K`: only the new lines cross), or the whole file.
+_READ_SCRIPT = """[ -f "$1" ] || exit 3; if [ -n "$2" ]; then exec tail -n "$2" "$1"; fi
+if [ -n "$3" ]; then exec tail -n "+$3" "$1"; fi; exec cat "$1"
+"""
 _PORT_PY = """import socket, sys
 probe = socket.socket()
 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
@@ -174,11 +178,30 @@ _ALIVE_SCRIPT = """kill -0 "$1" 2>/dev/null || exit 1
 case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) exit 1;; esac
 exit 0
 """
-# Members of the group that are not zombies; TERM, wait up to $2 s, then KILL.
-_KILL_GROUP_SCRIPT = """group=$1; limit=$(( $2 * 10 ))
+# A process's identity: the host's boot id and the process's start time in clock ticks since boot
+# (/proc/PID/stat field 22, read after the last ") " since the command name may hold spaces and
+# parentheses). A pid is reused only by a process started later, so a different identity means
+# another process. Exit 3: no such process.
+_IDENTITY_FUNCTION = """identity() {
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 3
+  set -- ${stat##*) }
+  printf '%s:%s\\n' "$(cat /proc/sys/kernel/random/boot_id 2>/dev/null)" "${20}"
+}
+"""
+_IDENTITY_SCRIPT = _IDENTITY_FUNCTION + 'identity "$1"\n'
+# Members of the group that are not zombies; TERM (and CONT, so a stopped group gets it), wait up to
+# $2 s, then KILL. With an identity $3, exit 4 without signalling anything when the pid now belongs
+# to another process (the recorded one is gone and its pid was reused). A leader already gone with
+# members left is still ours: Linux never hands out a pid that is still some process group's id.
+_KILL_GROUP_SCRIPT = _IDENTITY_FUNCTION + """group=$1; limit=$(( $2 * 10 )); want=$3
+if [ -n "$want" ] && now=$(identity "$group") && [ "$now" != "$want" ]; then
+  echo "pid $group is another process now (started $now, the recorded one $want): not killed" >&2
+  exit 4
+fi
 alive() { ps -e -o pgid=,stat= | awk -v g="$group" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'; }
 alive || exit 0
 kill -TERM "-$group" 2>/dev/null
+kill -CONT "-$group" 2>/dev/null
 i=0
 while alive && [ $i -lt $limit ]; do sleep 0.1; i=$((i+1)); done
 alive || exit 0

@@ -23,11 +23,13 @@ from typing import ContextManager, Iterator, Protocol, Sequence
 from tasks.remote.commands import (
     _ALIVE_SCRIPT,
     _DETACH_SCRIPT,
+    _IDENTITY_SCRIPT,
     _KILL_GROUP_SCRIPT,
     _PORT_PY,
     _READ_SCRIPT,
     KILL_AFTER_S,
     MISSING,
+    NOT_OURS,
     TIMEOUT_EXIT_STATUSES,
     CommandResult,
     _OutputStream,
@@ -65,8 +67,9 @@ class Executor(Protocol):
     def start_detached(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                        log_file: str, pid_file: str) -> int: ...
     def is_alive(self, pid: int) -> bool: ...
-    def kill_group(self, pid: int, timeout: float = 15) -> None: ...
-    def read_file(self, path: str, tail_lines: int | None = None) -> str: ...
+    def process_identity(self, pid: int) -> str | None: ...
+    def kill_group(self, pid: int, timeout: float = 15, identity: str | None = None) -> bool: ...
+    def read_file(self, path: str, tail_lines: int | None = None, from_line: int | None = None) -> str: ...
     def path_exists(self, path: str) -> bool: ...
     def makedirs(self, path: str) -> None: ...
     def sha256(self, path: str) -> str | None: ...
@@ -143,15 +146,28 @@ class _ExecutorBase(_VerifiedTransfers):
     def is_alive(self, pid: int) -> bool:
         return self.run(_sh(_ALIVE_SCRIPT, int(pid)), check=False, log_output=False, timeout=30).exit_status == 0
 
-    def kill_group(self, pid: int, timeout: float = 15) -> None:
-        """SIGTERM the process group `pid`, wait up to `timeout` s, then SIGKILL. Idempotent."""
-        result = self.run(_sh(_KILL_GROUP_SCRIPT, int(pid), max(1, int(timeout))), log_output=False,
+    def process_identity(self, pid: int) -> str | None:
+        """`boot id:start time` of process `pid` on the host (None: no such process), to recognise it later."""
+        result = self.run(_sh(_IDENTITY_SCRIPT, int(pid)), check=False, log_output=False, timeout=30)
+        return (result.stdout.strip() or None) if result.exit_status == 0 else None
+
+    def kill_group(self, pid: int, timeout: float = 15, identity: str | None = None) -> bool:
+        """SIGTERM the process group `pid`, wait up to `timeout` s, then SIGKILL. Idempotent.
+
+        With `identity` (from `process_identity` at launch), nothing is signalled when the pid now
+        belongs to another process (pid reuse): False. True when the group is gone.
+        """
+        result = self.run(_sh(_KILL_GROUP_SCRIPT, int(pid), max(1, int(timeout)), identity or ""), log_output=False,
                           timeout=timeout + 30, check=False)
+        if result.exit_status == NOT_OURS:
+            logger().warning("[%s] %s", self.name, result.stderr.strip())
+            return False
         if result.stderr.strip():
             logger().warning("[%s] %s", self.name, result.stderr.strip())
         if result.exit_status != 0:
             raise RemoteError(f"[{self.name}] could not stop process group {pid}: {result.stderr.strip()}")
         logger().info("[%s] process group %d stopped", self.name, pid)
+        return True
 
     def port_in_use(self, port: int) -> bool:
         """Whether binding 127.0.0.1:`port` on that host fails (something already serves it)."""
@@ -170,9 +186,11 @@ class _ExecutorBase(_VerifiedTransfers):
             return self.home + path[1:]
         return path
 
-    def read_file(self, path: str, tail_lines: int | None = None) -> str:
+    def read_file(self, path: str, tail_lines: int | None = None, from_line: int | None = None) -> str:
+        """The file's text: its last `tail_lines` lines, or from line `from_line` (1-based) on, or all of it."""
         path = self.expand_path(path)
-        result = self.run(_sh(_READ_SCRIPT, path, tail_lines or ""), check=False, log_output=False, timeout=300)
+        result = self.run(_sh(_READ_SCRIPT, path, tail_lines or "", from_line or ""), check=False, log_output=False,
+                          timeout=300)
         if result.exit_status == MISSING:
             raise FileNotFoundError(f"[{self.name}] {path}: no such file")
         if result.exit_status != 0:

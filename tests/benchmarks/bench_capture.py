@@ -9,11 +9,15 @@ the same samples, each after a one-batch warm-up:
                    device->host copies into the shard's host tensors (nothing written)
   dump             eagle3.data.dump.dump_hidden_states end to end: + safetensors writes with sha256 in the
                    writer thread, manifest; fresh directory
+With `--dtypes bfloat16,float8_e4m3` capture and dump run once per `data.hidden_states_dtype`
+(rows `capture[float8_e4m3]`, `dump[float8_e4m3]`; the first dtype keeps the plain names).
 Reports tok/s, the ratio to the plain forward (goal: dump >= 0.90), and the bytes written per
 token vs eagle3.environment.hidden_state_bytes (states) plus 9 B/token of ids and loss mask;
-then reads the dump back through HiddenStateDataset and checks one sample against a fresh capture.
+then reads each dump back through HiddenStateDataset and checks one sample against a fresh capture
+(fp8: the decoded states' error vs the bf16 capture).
 
     python tests/benchmarks/bench_capture.py                 # CUDA, full shape (skips without CUDA)
+    python tests/benchmarks/bench_capture.py --dtypes bfloat16,float8_e4m3
     python tests/benchmarks/bench_capture.py --tiny          # CPU smoke test, tiny target
 """
 
@@ -37,7 +41,7 @@ from eagle3.data.capture import TargetFeatureExtractor, capture_hidden_states  #
 from eagle3.data.datasets import HiddenStateDataset
 from eagle3.data.capture import _right_pad
 from eagle3.data.dump import capture_shard, dump_hidden_states
-from eagle3.data.shards import plan_shards  # noqa: E402
+from eagle3.data.shards import STATE_DTYPES, plan_shards  # noqa: E402
 from eagle3.environment import hidden_state_bytes  # noqa: E402
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -97,9 +101,10 @@ def run(args) -> dict:
     base = getattr(model, model.base_model_prefix)
     samples = make_samples(args.samples, args.seq, shape["vocab_size"])
     tokens = args.samples * args.seq
-    cfg = DataConfig(num_samples=args.samples, max_length=args.seq, shard_size=args.shard_size,
-                     capture_batch_size=args.batch, hidden_states_dtype="bfloat16")
-    plan = plan_shards(samples, cfg.shard_size)
+    dtypes = args.dtypes.split(",")
+    configs = {name: DataConfig(num_samples=args.samples, max_length=args.seq, shard_size=args.shard_size,
+                                capture_batch_size=args.batch, hidden_states_dtype=name) for name in dtypes}
+    plan = plan_shards(samples, args.shard_size)
 
     def forward():
         with torch.no_grad():
@@ -110,55 +115,71 @@ def run(args) -> dict:
         for ids, mask in _batches(samples, args.batch):
             extractor(ids, mask)
 
-    def capture():
+    def capture(name: str):
         for _, members in plan:
-            capture_shard(extractor, members, args.batch, torch.bfloat16)
+            capture_shard(extractor, members, args.batch, STATE_DTYPES[name])
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-capture-"))
-    summary: dict = {}
+    summaries: dict = {}
 
-    def dump():
-        shutil.rmtree(work / "hidden_states", ignore_errors=True)
-        summary.update(dump_hidden_states(extractor, samples, work / "hidden_states", cfg, "bench",
-                                          lambda *a: None, lambda m: None))
+    def dump(name: str):
+        shutil.rmtree(work / name, ignore_errors=True)
+        summaries[name] = dump_hidden_states(extractor, samples, work / name, configs[name], "bench",
+                                             lambda *a: None, lambda m: None)
 
     warm = samples[: args.batch]  # cuBLAS/cuDNN set-up and the allocator's first blocks
     with torch.no_grad():
         ids, mask = _right_pad([s["input_ids"] for s in warm])
         base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    capture_shard(extractor, warm, args.batch, torch.bfloat16)
+    for name in dtypes:
+        capture_shard(extractor, warm, args.batch, STATE_DTYPES[name])
+    measures = [("forward", forward), ("forward+hooks", hooks)]
+    for i, name in enumerate(dtypes):
+        suffix = "" if i == 0 else f"[{name}]"
+        measures += [(f"capture{suffix}", lambda n=name: capture(n)), (f"dump{suffix}", lambda n=name: dump(n))]
     results = {}
-    for name, fn in (("forward", forward), ("forward+hooks", hooks), ("capture", capture), ("dump", dump)):
+    for measure, fn in measures:
         seconds = timed(device, fn)
-        results[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
-        print(json.dumps({"measure": name, **results[name]}), flush=True)
+        results[measure] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
+        print(json.dumps({"measure": measure, **results[measure]}), flush=True)
     for r in results.values():
         r["ratio_to_forward"] = r["tokens_per_s"] / results["forward"]["tokens_per_s"]
-    k, hidden = len(extractor.hf_indices), extractor.hidden_size
-    states_estimate = hidden_state_bytes(1, hidden, k, 2)
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "shape": shape, "seq": args.seq, "batch": args.batch, "samples": args.samples, "shard_size": args.shard_size,
-        "tokens": tokens, "results": results, "bytes_total": summary["bytes_total"],
-        "bytes_per_token": summary["bytes_total"] / tokens,
-        "states_bytes_per_token_estimate": states_estimate,
-        "bytes_per_token_estimate_with_ids_and_mask": states_estimate + 9,
-        "check": check_dump(work / "hidden_states", samples[0], extractor),
+        "tokens": tokens, "results": results,
+        "dtypes": {name: dtype_report(name, summaries[name], tokens, work / name, samples[0], extractor)
+                   for name in dtypes},
     }
+    report.update({key: report["dtypes"][dtypes[0]][key] for key in  # the first dtype's, under the plain names
+                   ("bytes_total", "bytes_per_token", "states_bytes_per_token_estimate",
+                    "bytes_per_token_estimate_with_ids_and_mask", "check")})
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return report
 
 
+def dtype_report(name: str, summary: dict, tokens: int, directory: Path, first: dict,
+                 extractor: TargetFeatureExtractor) -> dict:
+    k, hidden = len(extractor.hf_indices), extractor.hidden_size
+    states_estimate = hidden_state_bytes(1, hidden, k, dtype=name)
+    return {"bytes_total": summary["bytes_total"], "bytes_per_token": summary["bytes_total"] / tokens,
+            "states_bytes_per_token_estimate": states_estimate,
+            "bytes_per_token_estimate_with_ids_and_mask": states_estimate + 9,
+            "check": check_dump(directory, first, extractor)}
+
+
 def check_dump(directory: Path, first: dict, extractor: TargetFeatureExtractor) -> dict:
-    """Read sample 0 back through the trainer's dataset and compare with a fresh capture."""
+    """Read sample 0 back through the trainer's dataset (fp8: decoded) and compare with a fresh capture."""
     data = HiddenStateDataset(directory, "train")
     item = data[0]
     ids = torch.tensor([first["input_ids"]])
     aux, last = capture_hidden_states(extractor.model, ids.to(extractor.device), torch.ones_like(ids).to(extractor.device),
                                       extractor.aux_layer_ids)
+    aux_ref, got = aux[0].float().cpu(), item["aux_hidden_states"].float()
     return {"samples": len(data), "ids_equal": item["input_ids"].tolist() == first["input_ids"],
-            "aux_max_abs_diff": float((item["aux_hidden_states"].float() - aux[0].float().cpu()).abs().max()),
+            "aux_max_abs_diff": float((got - aux_ref).abs().max()),
+            "aux_rel_rms_error": float((got - aux_ref).norm() / aux_ref.norm()),
             "last_max_abs_diff": float((item["last_hidden_states"].float() - last[0].float().cpu()).abs().max())}
 
 
@@ -166,12 +187,13 @@ def print_table(report: dict) -> None:
     print(f"\n{report['device']}, torch {report['torch']}, H {report['shape']['hidden_size']}, "
           f"{report['shape']['num_hidden_layers']} layers, T {report['seq']}, batch {report['batch']}, "
           f"{report['samples']} samples ({report['tokens']} tokens), shard {report['shard_size']} samples")
-    print(f"{'measure':<16}{'seconds':>9}{'tok/s':>11}{'vs forward':>12}")
+    print(f"{'measure':<22}{'seconds':>9}{'tok/s':>11}{'vs forward':>12}")
     for name, r in report["results"].items():
-        print(f"{name:<16}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.0f}{r['ratio_to_forward']:>11.1%}")
-    print(f"disk: {report['bytes_per_token']:.1f} B/token written; estimate {report['states_bytes_per_token_estimate']} "
-          f"B/token of states + 9 B/token ids and mask = {report['bytes_per_token_estimate_with_ids_and_mask']}")
-    print(f"read back: {json.dumps(report['check'])}")
+        print(f"{name:<22}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.0f}{r['ratio_to_forward']:>11.1%}")
+    for name, d in report["dtypes"].items():
+        print(f"{name}: {d['bytes_per_token']:.1f} B/token written; estimate {d['states_bytes_per_token_estimate']} "
+              f"B/token of states + 9 B/token ids and mask = {d['bytes_per_token_estimate_with_ids_and_mask']}; "
+              f"read back: {json.dumps(d['check'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=int, default=32, help="samples per shard (data.shard_size)")
     parser.add_argument("--work-dir", default=None, help="where the dump goes (default: a tmp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the dump")
+    parser.add_argument("--dtypes", default="bfloat16", help="comma list of data.hidden_states_dtype values to dump")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
     if args.tiny:

@@ -1,17 +1,24 @@
-"""Benchmark one EAGLE-3 training step (TTT unroll, AdamW) of a Llama-3.1-8B-shaped draft.
+"""Benchmark one EAGLE-3 training step (TTT unroll, AdamW) of a Llama-3.1-8B- or Kimi-K2.5-shaped draft.
 
-Shape: H 4096, FFN 14336, 32 heads / 8 KV (head_dim 128), target vocab 128256, draft vocab
-32000, seq 2048, TTT 7, bf16 autocast over fp32 master weights, synthetic hidden states.
+Shapes (`--shape`), seq 2048, TTT 7, bf16 autocast over fp32 master weights, synthetic hidden states:
+  llama-3.1-8b  H 4096, FFN 14336, 32 heads / 8 KV (head_dim 128), target vocab 128256, draft vocab 32000
+  kimi-k2.5     H 7168, FFN 18432, 64 heads / 8 KV (head_dim 128), target vocab 163840, draft vocab 32000
 Variants (same initial weights, same batch, fresh AdamW each):
   dense_eager     plain eager: dense boolean TTT mask in SDPA, [T, V] fp32 teacher, unfused loss
   dense_compiled  the same function under torch.compile
   fast_eager      eagle3.training.train path: causal flash + analytic diagonal merge, chunked teacher,
-                  fused soft-CE with in-forward gradients
-  fast_compiled   the same with the layer halves, merge math and loss chunks compiled
-  fast_compiled_b2  fast_compiled at batch 2
+                  fused soft-CE with in-forward gradients, fused layer GEMMs summing weight grads
+  fast_compiled   the same with the layer's elementwise pieces, merge math and loss chunks compiled
+  fast_compiled_flash    fast_compiled with PyTorch's FA2 kernel for the causal block instead of cuDNN's
+  fast_compiled_torch_adamw  fast_compiled with torch's fused AdamW kernel instead of the compiled update
+  fast_compiled_unfused  the earlier path: separate q/k/v/gate/up GEMMs inside the compiled halves, each
+                  step's weight gradient added up by autograd, FA2, torch's fused AdamW
+  fast_compiled_bN  fast_compiled at batch N (e.g. fast_compiled_b2); `--max-batch` also tries the
+                  largest batch the measured memory slope predicts to fit, then smaller ones on OOM
 MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal attention;
 all x3 for fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
-rate measured here. Prints a table; writes JSON (--out).
+rate measured here. Prints a table, and the memory one rank needs under FSDP at `--fsdp-world`
+ranks computed from the sizes and the measured single-GPU peak; writes JSON (--out).
 
 --loop instead runs the REAL training loop (`eagle3.training.train.train_draft`, the same entry the
 pipeline uses, torchrun relaunch included) on synthetic offline shards of the project's format
@@ -21,6 +28,7 @@ compile warm-up), per-GPU tokens/s, scaling efficiency vs one GPU, MFU, the high
 memory, and the loss.
 
     python tests/benchmarks/bench_train.py            # CUDA, full shape (skips without CUDA)
+    python tests/benchmarks/bench_train.py --shape kimi-k2.5 --variants fast_compiled,fast_compiled_b2 --max-batch
     python tests/benchmarks/bench_train.py --tiny     # CPU smoke test with a tiny shape
     python tests/benchmarks/bench_train.py --loop     # 2 GPUs: single, DDP x2, FSDP x2 loops
     python tests/benchmarks/bench_train.py --loop --tiny --modes single,ddp   # CPU (gloo) smoke test
@@ -50,6 +58,7 @@ from eagle3.config import TrainConfig  # noqa: E402
 from eagle3.draft.losses import compute_teacher  # noqa: E402
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
 from eagle3.training.train import train_draft  # noqa: E402
+from eagle3.training import adamw
 from eagle3.training.trainer import clip_and_step
 from eagle3.training.ttt import Eagle3TTTModule
 
@@ -59,14 +68,20 @@ LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                   max_position_embeddings=131072)
+# Kimi-K2.5's draft (configs/kimi-k2.5-int4.yaml's train.draft) over its 61-layer target, DeepSeek/Kimi aux rule
+KIMI_K25 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=8,
+                head_dim=128, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,
+                aux_layer_ids=[2, 30, 58], rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144)
+SHAPES = {"llama-3.1-8b": (LLAMA31_8B, 32), "kimi-k2.5": (KIMI_K25, 61)}  # shape, target layers
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
+EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused")  # only when named
 # mode -> (devices, strategy); node-* go through `python -m eagle3.torchrun`, the launcher train.nodes
 # starts on every node (one node here, static rendezvous on 127.0.0.1)
 LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp"), "node": (1, "ddp"),
               "node-ddp": (2, "ddp")}
-TARGET_LAYERS = 32
+TARGET_LAYERS = 32  # of the synthetic target, unless SHAPES gives the shape's own count
 
 
 def useful_flops_per_token(cfg: DraftModelConfig, seq: int, ttt: int) -> dict[str, float]:
@@ -86,8 +101,14 @@ def useful_flops_per_token(cfg: DraftModelConfig, seq: int, ttt: int) -> dict[st
 
 
 def measure_matmul_tflops(device: torch.device, n: int, dtype: torch.dtype) -> float:
-    """Median rate of an n^3 matmul on random data (device events on CUDA)."""
+    """Median rate of an n^3 matmul on random data (device events on CUDA), after ~1 s of the same
+    products so the clocks have ramped up (an idle GPU starts at 345 MHz)."""
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    if device.type == "cuda":
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 1.0:
+            a @ b
+            torch.cuda.synchronize()
     times = []
     for i in range(23):
         if device.type == "cuda":
@@ -157,15 +178,24 @@ def baseline_loss(draft: Eagle3DraftModel, data: dict, lm_head, ttt: int, decay:
 def fast_loss(module: Eagle3TTTModule, data: dict, lm_head, chunk: int):
     """The eagle3.training.train path: chunked teacher + Eagle3TTTModule (fast attention, fused loss)."""
     draft = module.draft
-    target_p, target_ids, in_vocab = compute_teacher(data["last"], lm_head, draft.t2d, chunk)
+    target_p, target_ids, in_vocab = compute_teacher(data["last"], lm_head, draft.t2d, chunk,
+                                                     columns=draft.draft_vocab_columns())
     loss, _ = module(data["input_ids"], data["aux"], data["loss_mask"], target_p, target_ids, in_vocab)
     return loss
 
 
 def reset_compiled(draft: Eagle3DraftModel) -> None:
-    draft._qkv_fn, draft._finish_fn = draft._ttt_qkv, draft._ttt_finish
-    model_mod._merge_fn, model_mod._diag_backward_fn = model_mod._merge_forward, model_mod._diag_backward
-    losses._chunk_fn = losses._soft_ce_chunk
+    draft.uncompile_layer()
+    losses.uncompile_loss_chunk()
+    adamw.uncompile_adamw()
+    model_mod.set_causal_attention_backend("auto")
+    draft.__dict__.pop("fused_layer_weights", None)
+
+
+def variant_batch(variant: str, default: int) -> int:
+    """fast_compiled_b4 -> 4; other names -> default."""
+    head, _, tail = variant.rpartition("_b")
+    return int(tail) if head and tail.isdigit() else default
 
 
 def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, device):
@@ -177,6 +207,12 @@ def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, devic
     if compiled:
         draft.compile_layer()
         losses.compile_loss_chunk()
+        if not variant.endswith(("_torch_adamw", "_unfused")):
+            adamw.compile_adamw()
+    if variant.endswith(("_flash", "_unfused")):
+        model_mod.set_causal_attention_backend("flash")
+    if variant.endswith("_unfused"):  # the earlier layer path: per-projection weights, autograd's grad sums
+        draft.fused_layer_weights = lambda dtype: draft.cast_layer_weights(dtype) if dtype else None
     module = Eagle3TTTModule(draft, TrainConfig(ttt_steps=ttt, loss_chunk_tokens=chunk, compile=False))
     return lambda: fast_loss(module, data, lm_head, chunk)
 
@@ -239,8 +275,8 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
 
 def _kernel_category(name: str) -> str:
     n = name.lower()
-    if "flash" in n or "fmha" in n:
-        return "flash_attention"
+    if any(k in n for k in ("flash", "fmha", "sdpa", "cudnn", "fort_native")):
+        return "attention"
     if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul")):
         return "gemm"
     if "adam" in n or "multi_tensor" in n:
@@ -272,12 +308,12 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
 # ---------------------------------------------------------------- the real trainer loop
 
 
-def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0) -> Path:
+def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0, layers: int = TARGET_LAYERS) -> Path:
     """A target dir as train_draft reads it: config.json + model.safetensors (embed_tokens, lm_head)."""
     from safetensors.torch import save_file
 
     target_dir.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": TARGET_LAYERS,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
               "hidden_size": shape["target_hidden_size"], "intermediate_size": shape["intermediate_size"],
               "num_attention_heads": shape["num_attention_heads"], "num_key_value_heads": shape["num_key_value_heads"],
               "head_dim": shape["head_dim"], "vocab_size": shape["vocab_size"], "tie_word_embeddings": False,
@@ -294,7 +330,7 @@ def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0) -> Path
 
 
 def write_synthetic_dataset(data_dir: Path, shape: dict, lengths: dict[str, list[int]], shard_size: int,
-                            seed: int = 0) -> Path:
+                            seed: int = 0, layers: int = TARGET_LAYERS) -> Path:
     """Offline shards + manifest.json (eagle3/data/shards.py format, bf16) and the draft vocab, random content.
 
     lengths: tokens of each sample per split, e.g. {"train": [2048] * 32, "validation": [2048] * 2}.
@@ -326,7 +362,7 @@ def write_synthetic_dataset(data_dir: Path, shape: dict, lengths: dict[str, list
                             "sha256": digest, "bytes": size})
             sample_id += len(part)
     manifest = {"format_version": FORMAT_VERSION, "fingerprint": "synthetic", "architecture": "LlamaForCausalLM",
-                "num_hidden_layers": TARGET_LAYERS, "hidden_size": hidden, "aux_layer_ids": shape["aux_layer_ids"],
+                "num_hidden_layers": layers, "hidden_size": hidden, "aux_layer_ids": shape["aux_layer_ids"],
                 "hf_indices": [i + 1 for i in shape["aux_layer_ids"]], "num_aux": k, "dtype": "bfloat16",
                 "max_length": max(max(v) for v in lengths.values()),
                 "num_samples": {sp: len(v) for sp, v in lengths.items()},
@@ -418,7 +454,7 @@ def run_loop(args) -> int:
         if not torch.cuda.is_available() or torch.cuda.device_count() < max(LOOP_MODES[m][0] for m in modes):
             print(f"bench_train --loop: needs {max(LOOP_MODES[m][0] for m in modes)} CUDA GPUs (use --tiny on CPU). Skipped.")
             return 0
-        shape, device = LLAMA31_8B, torch.device("cuda")
+        shape, device = SHAPES[args.shape][0], torch.device("cuda")
     cfg = DraftModelConfig(**shape)
     flops = useful_flops_per_token(cfg, args.seq, args.ttt)
     matmul = measure_matmul_tflops(device, 1024 if args.tiny else 8192, torch.float32 if args.tiny else torch.bfloat16)
@@ -427,11 +463,13 @@ def run_loop(args) -> int:
     per_step = args.batch * args.grad_accum * 2  # samples per optimizer step of the widest mode
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-train-loop-"))
     t0 = time.perf_counter()
-    target_dir = write_synthetic_target(work / "target", shape)
+    layers = TARGET_LAYERS if args.tiny else SHAPES[args.shape][1]
+    target_dir = write_synthetic_target(work / "target", shape, layers=layers)
     data_dir = write_synthetic_dataset(work / "data", shape, {"train": [args.seq] * max(args.train_samples, per_step),
-                                                               "validation": [args.seq] * 2}, shard_size=8)
+                                                               "validation": [args.seq] * 2}, shard_size=8,
+                                       layers=layers)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-              "shape": shape, "seq": args.seq, "ttt": args.ttt, "batch": args.batch, "grad_accum": args.grad_accum,
+              "shape_name": "tiny" if args.tiny else args.shape, "shape": shape, "seq": args.seq, "ttt": args.ttt, "batch": args.batch, "grad_accum": args.grad_accum,
               "steps": args.steps, "flops_per_token": flops, "matmul_tflops": matmul,
               "dataset_write_s": time.perf_counter() - t0, "results": []}
     for mode in modes:
@@ -467,8 +505,12 @@ def print_loop_table(report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny shape on CPU (smoke test)")
-    parser.add_argument("--variants", default=None, help=f"comma list from {ALL_VARIANTS}; default all "
-                        "(with --tiny: the eager ones)")
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="draft shape (CUDA)")
+    parser.add_argument("--variants", default=None, help=f"comma list from {ALL_VARIANTS + EXTRA_VARIANTS} "
+                        "(fast_compiled_bN: any batch N); default the first five (with --tiny: the eager ones)")
+    parser.add_argument("--max-batch", action="store_true", help="also find the largest batch that fits "
+                        "(fast_compiled; from the memory slope of the batches measured before it)")
+    parser.add_argument("--fsdp-world", type=int, default=8, help="ranks for the computed FSDP memory per rank")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--ttt", type=int, default=7)
@@ -488,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.loop:
         return run_loop(args)
-    unknown = set((args.variants or "").split(",")) - set(ALL_VARIANTS) - {""}
+    known = set(ALL_VARIANTS + EXTRA_VARIANTS)
+    unknown = {v for v in (args.variants or "").split(",") if v and v not in known
+               and not (v.startswith("fast_compiled_b") and v[len("fast_compiled_b"):].isdigit())}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}")
 
@@ -501,38 +545,120 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench_train: CUDA not available; the full shape needs a GPU (use --tiny on CPU). Skipped.")
             return 0
-        device, shape, autocast_dtype, param_dtype = torch.device("cuda"), LLAMA31_8B, torch.bfloat16, torch.bfloat16
+        device, autocast_dtype, param_dtype = torch.device("cuda"), torch.bfloat16, torch.bfloat16
+        shape = SHAPES[args.shape][0]
         variants = args.variants.split(",") if args.variants else list(ALL_VARIANTS)
     cfg = DraftModelConfig(**shape)
     flops = useful_flops_per_token(cfg, args.seq, args.ttt)
     matmul = measure_matmul_tflops(device, 1024 if args.tiny else 8192, torch.float32 if args.tiny else torch.bfloat16)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "shape": shape, "seq": args.seq, "ttt": args.ttt,
-              "flops_per_token": flops, "matmul_tflops": matmul, "results": []}
+              "torch": torch.__version__, "shape_name": "tiny" if args.tiny else args.shape, "shape": shape,
+              "seq": args.seq, "ttt": args.ttt, "flops_per_token": flops, "matmul_tflops": matmul, "results": []}
     draft, lm_head = build(cfg, device, param_dtype)
     init_state = {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}
-    batches: dict[int, dict] = {}
     for variant in variants:
-        size = 2 if variant.endswith("_b2") else args.batch
-        data = batches.setdefault(size, make_batch(cfg, device, size, args.seq, param_dtype))
-        try:
-            res = run_variant(variant, args, draft, lm_head, data, init_state, device, autocast_dtype)
-        except torch.OutOfMemoryError as err:  # report and go on with the other variants
-            res = {"variant": variant, "error": f"OOM: {str(err)[:200]}"}
-        if "tokens_per_s" in res:
-            res["mfu"] = flops["total"] * res["tokens_per_s"] / (matmul * 1e12)
-        report["results"].append(res)
-        print(json.dumps({k: v for k, v in res.items() if k != "profile"}), flush=True)
-        if args.out:  # after every variant, so a timeout keeps what was measured
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=2))
+        measure_variant(variant, variant_batch(variant, args.batch), args, report, draft, lm_head, init_state,
+                        cfg, device, autocast_dtype, param_dtype)
+    if args.max_batch and device.type == "cuda":
+        find_max_batch(args, report, draft, lm_head, init_state, cfg, device, autocast_dtype, param_dtype)
+    if device.type == "cuda":
+        report["fsdp_memory"] = fsdp_rank_memory(report, draft, lm_head, args.fsdp_world)
+        torch.cuda.empty_cache()
+        # MFU against the higher of the rates measured before and after the variants (the conservative one)
+        report["matmul_tflops_start"] = matmul
+        report["matmul_tflops_end"] = measure_matmul_tflops(device, 8192, torch.bfloat16)
+        report["matmul_tflops"] = max(matmul, report["matmul_tflops_end"])
+        for res in report["results"]:
+            if "tokens_per_s" in res:
+                res["mfu"] = flops["total"] * res["tokens_per_s"] / (report["matmul_tflops"] * 1e12)
+    save_report(args, report)
     print_table(report)
     return 0
 
 
+def measure_variant(variant, size, args, report, draft, lm_head, init_state, cfg, device, autocast_dtype,
+                    param_dtype) -> dict:
+    """One variant at batch `size` (fresh batch); appended to the report, OOM reported as an error."""
+    data = None
+    try:
+        data = make_batch(cfg, device, size, args.seq, param_dtype)
+        res = run_variant(variant, args, draft, lm_head, data, init_state, device, autocast_dtype)
+    except torch.OutOfMemoryError as err:  # report and go on with the other variants
+        res = {"variant": variant, "batch": size, "error": f"OOM: {str(err)[:200]}"}
+        for p in draft.parameters():
+            p.grad = None
+    del data
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "tokens_per_s" in res:
+        res["mfu"] = report["flops_per_token"]["total"] * res["tokens_per_s"] / (report["matmul_tflops"] * 1e12)
+    report["results"].append(res)
+    print(json.dumps({k: v for k, v in res.items() if k != "profile"}), flush=True)
+    save_report(args, report)  # after every variant, so a timeout keeps what was measured
+    return res
+
+
+def save_report(args, report: dict) -> None:
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+def find_max_batch(args, report, draft, lm_head, init_state, cfg, device, autocast_dtype, param_dtype) -> None:
+    """The largest fast_compiled batch that fits: predicted from the peak memory of two measured
+    batches (linear in the batch), tried, then one smaller at a time on OOM."""
+    done = {r["batch"]: r["peak_mem_gib"] for r in report["results"]
+            if r["variant"].startswith("fast_compiled") and r.get("peak_mem_gib") and "_flash" not in r["variant"]
+            and "_unfused" not in r["variant"]}
+    if len(done) < 2:
+        print("bench_train --max-batch: needs two fast_compiled batches measured first (e.g. fast_compiled,"
+              "fast_compiled_b2)")
+        return
+    (b1, m1), (b2, m2) = sorted(done.items())[:2]
+    per_sample = (m2 - m1) / (b2 - b1)
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    predicted = int((0.97 * total - (m1 - per_sample * b1)) // per_sample)
+    report["max_batch_prediction"] = {"gib_per_sample": per_sample, "fixed_gib": m1 - per_sample * b1,
+                                      "device_gib": total, "predicted": predicted}
+    for size in range(predicted, max(done), -1):
+        res = measure_variant(f"fast_compiled_b{size}", size, args, report, draft, lm_head, init_state, cfg,
+                              device, autocast_dtype, param_dtype)
+        if "tokens_per_s" in res:
+            report["max_batch"] = size
+            return
+
+
+def fsdp_rank_memory(report: dict, draft: Eagle3DraftModel, lm_head: torch.Tensor, world: int) -> dict | None:
+    """Memory one rank needs under FSDP (`train.strategy: fsdp`, bf16 gathers, fp32 reduce) at `world`
+    ranks, computed from the sizes and the measured single-GPU peak at batch 1 (not measured).
+
+    P trainable parameters: fp32 master + fp32 grad + 2 AdamW moments (16 B/param) are sharded (/world);
+    frozen weights (embedding, the target lm_head) stay whole. Two peaks: during backward = the
+    single-GPU peak minus the unsharded share of the 16 B/param (the bf16 weights FSDP gathers take
+    the place of the bf16 copies a single GPU casts); at the end of backward = the gathered bf16
+    weights (2P) + their bf16 gradients (2P) + the fp32 copy reduce-scatter sends (4P) + shards + frozen.
+    """
+    single = next((r for r in report["results"] if r.get("variant") == "fast_compiled" and r.get("batch") == 1
+                   and r.get("peak_mem_gib")), None)
+    if single is None:
+        return None
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in draft.parameters() if not p.requires_grad)
+    frozen += lm_head.numel() * lm_head.element_size()
+    gib = 2**30
+    during = single["peak_mem_gib"] - 16 * trainable * (1 - 1 / world) / gib
+    end = (8 * trainable + 16 * trainable / world + frozen) / gib
+    return {"world": world, "trainable_params": trainable, "frozen_gib": frozen / gib,
+            "sharded_state_gib": 16 * trainable / world / gib, "during_backward_gib": during,
+            "end_of_backward_gib": end, "per_rank_gib": max(during, end)}
+
+
 def print_table(report: dict) -> None:
-    print(f"\n{report['device']}, torch {report['torch']}, measured matmul {report['matmul_tflops']:.3g} TFLOP/s, "
-          f"useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, seq {report['seq']}, TTT {report['ttt']}")
+    rates = (f" (before {report['matmul_tflops_start']:.3g}, after {report['matmul_tflops_end']:.3g})"
+             if "matmul_tflops_end" in report else "")
+    print(f"\n{report['device']}, torch {report['torch']}, shape {report['shape_name']}, measured matmul "
+          f"{report['matmul_tflops']:.3g} TFLOP/s{rates}, useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, "
+          f"seq {report['seq']}, TTT {report['ttt']}")
     print(f"{'variant':<18}{'batch':>6}{'ms/step':>10}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@0':>10}{'|g|@0':>10}")
     for r in report["results"]:
         if "error" in r:
@@ -549,6 +675,16 @@ def print_table(report: dict) -> None:
                 print(f"  {cat:<20}{ms:>8.2f}")
             for k in prof["top_kernels"][:22]:
                 print(f"  {k['ms']:>7.2f} ms x{k['calls']:<4} {k['name'][:90]}")
+    if report.get("max_batch_prediction"):
+        pred = report["max_batch_prediction"]
+        print(f"\nmemory: {pred['fixed_gib']:.1f} GiB + {pred['gib_per_sample']:.2f} GiB/sample of {pred['device_gib']:.0f}"
+              f" GiB -> predicted largest batch {pred['predicted']}; largest that ran: {report.get('max_batch')}")
+    if report.get("fsdp_memory"):
+        mem = report["fsdp_memory"]
+        print(f"FSDP x{mem['world']} (computed, not measured): {mem['per_rank_gib']:.1f} GiB per rank at batch 1 "
+              f"(during backward {mem['during_backward_gib']:.1f}, end of backward {mem['end_of_backward_gib']:.1f}; "
+              f"{mem['trainable_params'] / 1e6:.0f}M trainable params, sharded state {mem['sharded_state_gib']:.1f} GiB, "
+              f"frozen {mem['frozen_gib']:.1f} GiB)")
 
 
 if __name__ == "__main__":

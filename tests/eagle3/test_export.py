@@ -271,3 +271,17 @@ def test_validator_deepseek_capture_rule(tmp_path):
     shutil.rmtree(path)
     path = _broken(tmp_path, _set_ids([1, 4, 7]))  # first id == 1: +1, so 7 -> 8 is out of range
     assert [p.code for p in validate_sglang_checkpoint(path, deepseek)] == ["aux_layer_ids_range"]
+
+
+def test_serving_wiring_judges_the_layers_the_capture_engine_hooked(tmp_path):
+    """The training record's capture engine (from the shards' manifest) is the evidence, not the ids asked."""
+    from eagle3.export import check_serving_wiring
+
+    model, _ = make_model()
+    draft = export_sglang(model, TARGET, tmp_path / "draft", "bfloat16")
+    # Llama rule, 8 layers: eagle_config ids [1, 3, 4] are fed from HF hidden_states [2, 4, 5]
+    record = {"architecture": "LlamaForCausalLM", "num_hidden_layers": 8, "aux_layer_ids": AUX, "hf_indices": [2, 4, 5]}
+    assert not [p for p in check_serving_wiring(draft, TARGET, record) if p.code == "layer_mismatch"]
+    hooked = record | {"capture_engine": {"name": "sglang", "version": "0.5.23", "capture_indices": [1, 3, 4]}}
+    problems = [p for p in check_serving_wiring(draft, TARGET, hooked) if p.code == "layer_mismatch"]
+    assert problems and "HF hidden_states [1, 3, 4]" in problems[0].message and "[2, 4, 5]" in problems[0].message

@@ -3,7 +3,11 @@ terminal sends it), `kill PID` (SIGTERM to the process alone, as a scheduler doe
 
 Each run is a real CLI subprocess with its own temporary Prefect server. Checked: exit code and
 the one-line message (no traceback), the stage recorded as interrupted in the manifest and
-KILLED in MLflow, no server left behind (ps), and the run resumable from where it stopped.
+KILLED in MLflow, no server left behind (ps), and the run resumable from where it stopped: in
+place, and in a copy of the folder elsewhere (from another working directory), which never
+touches the original. A teardown that itself fails (a host that no longer answers, a group already
+gone) or gets a second signal still ends with the interrupt's or the failure's own line and exit code,
+having stopped every server it could reach.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +26,8 @@ from pathlib import Path
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+
+from tasks.rundir import RunDirectory, file_sha256
 from tests.helpers import TEST_TARGET_YAML
 
 CONFIG = """\
@@ -75,12 +83,12 @@ def prefect_servers() -> set[int]:
     return found
 
 
-def start_cli(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+def start_cli(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
     """`eagleops ...` in its own process group with SIGINT at its default (a terminal's job)."""
     env = {**os.environ, **(env or {}), "EAGLEOPS_TEST_RUN": RUN_MARK}
     env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run has
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env,
+                            start_new_session=True, env=env, cwd=cwd,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
@@ -116,6 +124,34 @@ def resume(config: Path, run_dir: Path, workdir: Path, tag: str) -> tuple[int, s
     return proc.wait(timeout=600), log.read_text()
 
 
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `folder` with its bytes' sha256 and its mtime: what "never touched" compares."""
+    return {str(p.relative_to(folder)): (file_sha256(p), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def resume_a_copy_elsewhere(config: Path, run_dir: Path, workdir: Path) -> None:
+    """The interrupted folder copied alone into another runs root (rsync to shared storage: no tiny-target
+    cache, no MLflow store there) resumes there, from another working directory, writing only into the
+    copy: the original runs root (run folder, its store, the cache) is the same, byte for byte and mtime."""
+    original = snapshot(workdir / "runs")
+    copy = workdir / "shared" / "runs" / run_dir.parent.name / run_dir.name
+    shutil.copytree(run_dir, copy, symlinks=True)
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    log = workdir / "resume-copy.log"
+    proc = start_cli(["run", str(config), "--run-dir", str(copy), "--stages", ML_STAGES], log, cwd=elsewhere)
+    code, output = proc.wait(timeout=600), log.read_text()
+    assert code == 0, output[-3000:]
+    assert "generate_data: completed earlier with the same inputs" in output
+    assert "train_draft: resuming attempt 1" in output
+    assert re.search(rf"resumed from {re.escape(str(copy))}/train_draft/attempt-1/\S*step_\d+ at step [1-9]", output)
+    final = RunDirectory.open(copy).manifest["stages"]["train_draft"]
+    assert final["status"] == "completed" and len(final["attempts"]) == 1 and final["summary"]["steps"] == 120
+    assert final["dir"] == str(copy / "train_draft" / "attempt-1")
+    assert snapshot(workdir / "runs") == original
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
     config = write_config(workdir, max_steps=120)
@@ -137,6 +173,7 @@ def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
     assert mlflow_status(workdir, manifest["mlflow"]["parent_run_id"]) == "KILLED"
     assert_no_new_server(before)
 
+    resume_a_copy_elsewhere(config, run_dir, workdir)
     code, output = resume(config, run_dir, workdir, "sigint")
     assert code == 0, output[-3000:]
     assert "generate_data: completed earlier with the same inputs" in output
@@ -224,3 +261,103 @@ bench: {{prompts: {workdir / 'cancel-prompts.jsonl'}, num_prompts: 1, max_new_to
     assert all(s["status"] == "stopped" for s in servers.values()), servers
     assert reference_servers_alive(str(run_dir)) == []
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["run_benchmark"]["status"] == "interrupted"
+
+
+FAULTS_CONFIG = """\
+experiment: faults
+runs_root: {runs}
+{target}data:
+  num_samples: {samples}
+  max_length: 128
+  regenerate: {{max_new_tokens: 48}}
+  draft_vocab_size: 64
+hosts:
+  - {{name: gone-host, address: 127.0.0.1, port: {dead_port}, user: nobody, connect_timeout_s: 2, connect_retries: 0}}
+"""
+
+
+def record_test_server(run_dir: Path, label: str, host: str = "local", port: int | None = None,
+                       gone: bool = False) -> int:
+    """A real process group (a shell and its sleep) recorded in servers.json as a live server; `gone`: it
+    exited before the teardown. -> its pid."""
+    from tasks.deploy import ServerHandle
+    from tasks.remote import LocalExecutor
+    from tasks.server_registry import record_server
+    from tests.helpers import free_port
+
+    local, mark = LocalExecutor(), f"{RUN_MARK}-{label}"
+    argv = ["sh", "-c", f"sleep 600 & exec sleep 601 # {mark}"]
+    pid = local.start_detached(argv, log_file=str(run_dir / f"{label}.log"), pid_file=str(run_dir / f"{label}.pid"))
+    handle = ServerHandle(label, host, pid, port or free_port(), str(run_dir / f"{label}.log"), "", argv, False,
+                          identity=local.process_identity(pid) or "")
+    if gone:
+        local.kill_group(pid)
+    record_server(run_dir, f"{host}:{handle.port}:{pid}", {**handle.to_dict(), "status": "live"})
+    return pid
+
+
+def recorded_servers_alive() -> list[int]:
+    """Live (not zombie) processes of the servers `record_test_server` started."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if f"# {RUN_MARK}-" in line and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.info["pid"])
+    return found
+
+
+def server_statuses(run_dir: Path) -> dict[str, str]:
+    return {s["label"]: s["status"] for s in json.loads((run_dir / "servers.json").read_text()).values()}
+
+
+@pytest.mark.slow
+def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
+    """Recorded: a server on a host that no longer answers (first, so a teardown that stops at the first
+    failure would stop nothing), a group already gone, and two live ones. SIGTERM, then a second signal
+    (SIGINT) while the teardown waits for a port: exit 143 with the interrupt's one line, every server it
+    can reach stopped, the dead host's named. Then a run on the same folder whose stage fails: exit 1 with
+    the failure's one line, its live server stopped too."""
+    from tests.helpers import free_port
+
+    runs, before = workdir / "faults-runs", prefect_servers()
+    config = workdir / "faults.yaml"
+    config.write_text(FAULTS_CONFIG.format(runs=runs, target=TEST_TARGET_YAML, samples=2000, dead_port=free_port()))
+    log = workdir / "faults-sigterm.log"
+    proc = start_cli(["run", str(config), "--stages", "check_environment,generate_data"], log)
+    wait_for_line(log, r"Task run 'generate_data-\w+' - tiny target", proc)  # ~30 s of the stage left
+    run_dir = next((runs / "faults").iterdir())
+    record_test_server(run_dir, "unreachable", host="gone-host", gone=True)  # its host is what matters
+    record_test_server(run_dir, "gone", gone=True)
+    busy = socket.create_server(("127.0.0.1", 0))  # the first live server's port stays busy: its stop waits
+    slow = record_test_server(run_dir, "slow", port=busy.getsockname()[1])
+    record_test_server(run_dir, "last")
+    os.kill(proc.pid, signal.SIGTERM)
+    wait_for_line(log, rf"process group {slow} stopped", proc, timeout=60)
+    os.kill(proc.pid, signal.SIGINT)  # the second signal, mid-teardown
+    time.sleep(1.0)
+    busy.close()
+    assert proc.wait(timeout=90) == 143
+    output = log.read_text()
+    assert "Traceback" not in output, output[-3000:]
+    assert output.rstrip().splitlines()[-1].startswith("interrupted (SIGTERM) during generate_data; resume with:")
+    assert "SIGINT received during the teardown of" in output
+    assert "unreachable: pid" in output and "on gone-host left running: cannot reach host gone-host" in output
+    assert recorded_servers_alive() == []
+    assert server_statuses(run_dir) == {"unreachable": "live", "gone": "stopped", "slow": "stopped",
+                                        "last": "stopped"}
+
+    # the same folder, a config whose environment check fails (6.5 TB of hidden states on this disk)
+    failing = workdir / "faults-fail.yaml"
+    failing.write_text(config.read_text().replace("num_samples: 2000", "num_samples: 100000000"))
+    record_test_server(run_dir, "again")
+    log = workdir / "faults-fail.log"
+    proc = start_cli(["run", str(failing), "--run-dir", str(run_dir), "--stages", "check_environment"], log)
+    assert proc.wait(timeout=300) == 1
+    output = log.read_text()
+    # Prefect logs the stage's own traceback; none may come from the teardown
+    assert 'tasks/deploy.py", line' not in output and "EnvironmentCheckFailed" in output, output[-3000:]
+    assert output.rstrip().splitlines()[-1].startswith("stage failed check_environment failed: disk:"), output[-2000:]
+    assert "on gone-host left running: cannot reach host gone-host" in output
+    assert recorded_servers_alive() == []
+    assert server_statuses(run_dir)["again"] == "stopped"
+    assert_no_new_server(before)

@@ -1,9 +1,14 @@
 """No secret anywhere: the whole flow run as a user runs it (the CLI in a subprocess), with every secret
 field set and a credentialed URL, through every stage that uses them -- HTTP regeneration against a
-local server that demands the key, deploy over SSH with a passphrase-protected key, a real MLflow
-server reached through `http://user:password@...` -- then every place text goes is grepped:
-stdout/stderr, the run folder, the serving host's workdir, MLflow params, tags, metric names and
-artifacts, Prefect logs and artifacts.
+local server that demands the key, deploy over SSH with a passphrase-protected key and a token in
+`deploy.env` (plus a long value under a name that does not look secret), a real MLflow server reached
+through `http://user:password@...` -- then every place text goes is grepped, as bytes, for each
+secret and each form a serialiser gives it (JSON-escaped, `\\uXXXX`, URL-encoded): stdout/stderr, the
+run folder, the serving host's workdir, MLflow params, tags, metric names and artifacts, Prefect logs
+and artifacts. The secrets hold a backslash, a double quote and (where the protocol allows it: not in
+an HTTP header) a non-ASCII character, the forms json.dumps and URL encoding escape. The server still
+gets the real `deploy.env` values: a sitecustomize on its PYTHONPATH records its environment outside
+the scanned folders.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote, quote_plus
 
 import pytest
 from fastapi import FastAPI, Request
@@ -22,10 +28,18 @@ from mlflow.tracking import MlflowClient
 
 from tests.helpers import TEST_TARGET_YAML, free_port, serve_in_thread
 
-API_KEY = "sk-leakscan-7f3a9c2e41"
-URL_PASSWORD = "pw-leakscan-b81d6f"
-PASSPHRASE = "pp-leakscan-5e2c90"
-SECRETS = (API_KEY, URL_PASSWORD, PASSPHRASE, f"leaker:{URL_PASSWORD}")
+API_KEY = 'sk-leak\\scan"7f3a9c2e41'  # an HTTP header value: ASCII only
+URL_PASSWORD = 'pw-leak"scan\\b81dé6f'  # percent-encoded in the tracking URI
+PASSPHRASE = 'pp-leak\\scan"5e2c90'
+HF_TOKEN = 'hf_leakscan\\"Zürich-91c4'  # deploy.env under a name that looks secret
+SERVE_VALUE = "opaque-€-leakscan-3d7e"  # deploy.env under one that does not
+SECRETS = (API_KEY, URL_PASSWORD, PASSPHRASE, HF_TOKEN, SERVE_VALUE)
+# The server's environment as it started, recorded by a sitecustomize the deploy's PYTHONPATH adds.
+SITECUSTOMIZE = """\
+import json, os
+with open(os.path.join({out!r}, f"env-{{os.getpid()}}.json"), "w") as f:
+    json.dump({{k: os.environ.get(k) for k in ("HF_TOKEN", "SERVE_OPTS")}}, f)
+"""
 
 CONFIG = """\
 experiment: leakscan
@@ -50,6 +64,7 @@ deploy:
   port: {port}
   speculative: {{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}
   startup_timeout_s: 240
+  env: {{HF_TOKEN: "${{LEAKSCAN_HF_TOKEN}}", SERVE_OPTS: "${{LEAKSCAN_SERVE_VALUE}}", PYTHONPATH: "{probe}"}}
 bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 8, warmup_runs: 0, timed_runs: 1}}
 tracking: {{uri: "{tracking}"}}
 hosts:
@@ -97,15 +112,25 @@ def locked_key(sshd, tmp_path):
     authorized.write_text(original)
 
 
-def assert_clean(text: str, where: str) -> None:
-    for secret in SECRETS:
-        assert secret not in text, f"secret {secret[:6]}... leaked into {where}"
+def escaped_forms(secret: str) -> set[str]:
+    """What serialisers make of a secret: JSON string bodies (\\uXXXX-escaped and raw UTF-8), URL encodings."""
+    return {secret, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1], quote(secret, safe=""),
+            quote(secret), quote_plus(secret)}
+
+
+FORBIDDEN = [(secret, form.encode()) for secret in SECRETS for form in escaped_forms(secret)]
+
+
+def assert_clean(data: str | bytes, where: str) -> None:
+    raw = data.encode() if isinstance(data, str) else data
+    for secret, form in FORBIDDEN:
+        assert form not in raw, f"secret {secret[:6]}... leaked into {where} as {form!r}"
 
 
 def assert_tree_clean(root: Path, where: str) -> int:
     files = [p for p in root.rglob("*") if p.is_file()]
     for path in files:
-        assert_clean(path.read_bytes().decode("latin-1"), f"{where}: {path}")
+        assert_clean(path.read_bytes(), f"{where}: {path}")
     return len(files)
 
 
@@ -120,19 +145,27 @@ def test_no_secret_reaches_any_sink(prefect_harness, sshd, locked_key, authentic
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Say hello."}) + "\n" + json.dumps({"prompt": "Count to three."}) + "\n")
     remote = tmp_path / "remote"
+    probe, probe_out = tmp_path / "probe", tmp_path / "probe-out"
+    probe.mkdir()
+    probe_out.mkdir()
+    (probe / "sitecustomize.py").write_text(SITECUSTOMIZE.format(out=str(probe_out)))
     host = sshd.host_config()
     config = tmp_path / "leakscan.yaml"
     config.write_text(CONFIG.format(
         target=TEST_TARGET_YAML, runs=tmp_path / "runs", endpoint=endpoint, port=free_port(), ssh_port=host.port,
                                     user=host.user, key_file=locked_key, known_hosts=host.known_hosts,
-                                    workdir=remote, python=sys.executable, prompts=prompts,
-                                    tracking=mlflow_server.uri.replace("http://", f"http://leaker:{URL_PASSWORD}@")))
+                                    workdir=remote, python=sys.executable, prompts=prompts, probe=probe,
+                                    tracking=mlflow_server.uri.replace(
+                                        "http://", f"http://leaker:{quote(URL_PASSWORD, safe='')}@")))
     env = {**os.environ, "LEAKSCAN_API_KEY": API_KEY, "LEAKSCAN_PASSPHRASE": PASSPHRASE,
+           "LEAKSCAN_HF_TOKEN": HF_TOKEN, "LEAKSCAN_SERVE_VALUE": SERVE_VALUE,
            "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "200"}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert seen["authorized"] >= 9  # the key was used: the server refuses requests without it
+    started = [json.loads(p.read_text()) for p in probe_out.glob("env-*.json")]
+    assert started and all(e == {"HF_TOKEN": HF_TOKEN, "SERVE_OPTS": SERVE_VALUE} for e in started), started
     assert_clean(done.stdout + done.stderr, "the CLI's output")
     validated = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(config)], env=env,
                                capture_output=True, text=True, timeout=120)

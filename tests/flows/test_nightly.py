@@ -7,16 +7,22 @@ Three nightlies in a row on the same data, each a real flow run (data -> train -
 "Better" and "worse" come from accept length, which greedy decoding makes deterministic. The tok/s
 margin is set to -0.95 (a challenger may be up to 95% slower) so CPU timing noise on the shared box
 cannot flip a decision; the tok/s rule itself is covered by the `decide` tests below. The first
-champion's floor is 1.0 here (any draft that serves), since draft 1 is deliberately weak.
+champion's floor is 1.0 here (any draft that serves), since draft 1 is deliberately weak. Each gate
+measures 2 rounds per draft, interleaved (champion, challenger, challenger, champion). Then the trained
+draft is gated against a byte copy of itself in repeated trials, with the default tok/s margin: never
+promoted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -27,8 +33,10 @@ from mlflow.tracking import MlflowClient
 from eagle3.export import read_target_config, validate_sglang_checkpoint
 from flows.nightly import nightly_retrain
 from tasks.config import NightlyConfig, load_experiment
-from tasks.gate import decide, training_config
-from tasks.rundir import digest_paths, file_sha256
+from tasks.gate import decide, draft_identity, interleaved_order, measure_drafts, pooled_rows, training_config
+from tasks.noise import relative_gain
+from tasks.pipeline import StageContext
+from tasks.rundir import RunDirectory, digest_paths, file_sha256
 from tests.mlflow_server import MlflowServer, free_port
 from tests.helpers import reference_servers_alive
 
@@ -58,7 +66,8 @@ deploy:
   startup_timeout_s: 240
 bench: {{prompts: {prompts}, num_prompts: 2, max_new_tokens: 10, warmup_runs: 1, timed_runs: 1}}
 tracking: {{uri: {tracking}}}
-nightly: {{start_from: {start_from}, min_tok_s_gain: -0.95, accept_length_tolerance: 0.0, min_accept_length: 1.0}}
+nightly: {{start_from: {start_from}, min_tok_s_gain: -0.95, accept_length_tolerance: 0.0, min_accept_length: 1.0,
+           rounds: 2}}
 """
 # (name, train.max_steps, train.lr, nightly.start_from)
 NIGHTLIES = [("weak", 3, 0.003, "scratch"), ("trained", 150, 0.003, "champion"), ("random", 1, 1e-7, "scratch")]
@@ -122,7 +131,7 @@ def nightlies(prefect_harness, postgres_mlflow, tmp_path_factory):
 
 
 def manifest(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "manifest.json").read_text())
+    return RunDirectory.open(run_dir).manifest  # paths located where the folder is
 
 
 # ------------------------------------------------------------------ the flow, end to end
@@ -142,10 +151,11 @@ def test_better_draft_is_promoted_and_the_old_champion_kept_as_previous(nightlie
     second = nightlies["trained"]["result"]
     assert second["promoted"], second["reason"]
     assert nightlies["trained"]["aliases"] == {"champion": "2", "previous": "1"}
-    # Both drafts measured alike, one after the other, with the same setting and prompts.
+    # Both drafts measured alike, interleaved, with the same setting and prompts: two rounds each.
     assert list(second["rows"]) == ["champion v1", "challenger v2"]
     champion_row, challenger_row = second["rows"]["champion v1"][0], second["rows"]["challenger v2"][0]
     assert champion_row["effective"] == challenger_row["effective"]
+    assert champion_row["rounds"] == challenger_row["rounds"] == 2
     assert challenger_row["accept_length"] > champion_row["accept_length"] + 0.5
 
     client = MlflowClient(postgres_mlflow.uri)
@@ -166,6 +176,20 @@ def test_better_draft_is_promoted_and_the_old_champion_kept_as_previous(nightlie
     assert bench_run.data.metrics["champion.c1.accept_length"] == champion_row["accept_length"]
     parent = client.get_run(second["mlflow_run_id"])
     assert parent.data.tags["eagleops.gate.decision"] == "promoted"
+    # The evidence the decision stood on is on the version: order, per-round samples, bounds, weight digests.
+    evidence = json.loads(version.tags["eagleops.gate.evidence"])
+    assert evidence["order"] == ["champion", "challenger", "challenger", "champion"]
+    level = evidence["levels"][0]
+    assert len(level["tok_s_samples"]) == len(level["champion_tok_s_samples"]) == 2
+    assert level["tok_s_gain_low"] <= level["tok_s_gain"] <= level["tok_s_gain_high"]
+    assert "accept length" in level["better"]
+    assert version.tags["eagleops.gate.confidence"] == "0.95"
+    assert version.tags["eagleops.gate.identical_weights"] == "false"
+    exports = {n: manifest(nightlies[n]["result"]["run_dir"])["stages"]["export_checkpoint"]["outputs"]["sglang_dir"]
+               for n in ("weak", "trained")}
+    assert version.tags["eagleops.gate.champion_weights_sha256"] == file_sha256(Path(exports["weak"], "model.safetensors"))
+    assert version.tags["eagleops.gate.challenger_weights_sha256"] == \
+        file_sha256(Path(exports["trained"], "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -235,17 +259,60 @@ def test_resumed_nightly_reapplies_its_recorded_decision_without_measuring_again
 # ------------------------------------------------------------------ the decision alone
 
 
-def rows(tok_s: float, accept: float, concurrency: int = 1) -> list[dict]:
-    return [{"concurrency": concurrency, "tok_s_median": tok_s, "accept_length": accept}]
+def rows(tok_s: float | list[float], accept: float, concurrency: int = 1, by_position=None) -> list[dict]:
+    """Pooled gate rows: tok/s per round (a number: three rounds at -1%, 0, +1% of it), accept length per round."""
+    samples = tok_s if isinstance(tok_s, list) else [tok_s * 0.99, tok_s, tok_s * 1.01]
+    return [{"concurrency": concurrency, "tok_s_samples": samples, "tok_s_median": sorted(samples)[len(samples) // 2],
+             "accept_length_samples": [accept] * len(samples), "accept_length": accept,
+             "accepted_by_position": by_position or [0.9, 0.8]}]
 
 
-def test_decide_promotes_only_beyond_the_tok_s_margin():
+def welch_lower_bound(new: list[float], old: list[float], confidence: float) -> float:
+    """The gain's one-sided lower bound from scipy's own Welch test (an oracle built apart from tasks.noise)."""
+    from scipy.stats import ttest_ind
+
+    result = ttest_ind([math.log(v) for v in new], [math.log(v) for v in old], equal_var=False, alternative="greater")
+    return math.exp(result.confidence_interval(confidence).low) - 1
+
+
+def test_relative_gain_bounds_are_welchs():
+    new, old = [103.0, 107.5, 104.9, 106.1], [100.2, 98.7, 101.9]
+    found = relative_gain(new, old, 0.95)
+    assert found["low"] == pytest.approx(welch_lower_bound(new, old, 0.95), rel=1e-9)
+    assert found["gain"] == pytest.approx(math.exp(sum(map(math.log, new)) / 4 - sum(map(math.log, old)) / 3) - 1)
+    assert found["high"] == pytest.approx(-welch_lower_bound(old, new, 0.95) / (1 + welch_lower_bound(old, new, 0.95)),
+                                          rel=1e-9)
+    assert relative_gain([100.0], [100.0, 101.0], 0.95)["low"] is None  # one sample: no spread, no bound
+
+
+def test_decide_promotes_on_the_lower_bound_not_the_median():
     gate = NightlyConfig(min_tok_s_gain=0.05)
-    assert decide(gate, rows(106.0, 3.0), rows(100.0, 3.0))["promote"]
-    refused = decide(gate, rows(104.0, 3.0), rows(100.0, 3.0))
-    assert not refused["promote"]
-    assert refused["reason"] == ("refused: tok/s 104.0 vs champion 100.0 (+4.0%; nightly.min_tok_s_gain +5.0%) "
-                                 "at concurrency 1")
+    champion = rows(100.0, 3.0)
+    promoted = decide(gate, rows(108.0, 3.0), champion)
+    assert promoted["promote"] and promoted["comparisons"][0]["tok_s_gain_low"] > 0.05
+    # +6% by the median, but the spread (+-3%) leaves the bound below the margin.
+    noisy = rows([103.0, 106.0, 109.0], 3.0)
+    refused = decide(gate, noisy, champion)
+    low = welch_lower_bound([103.0, 106.0, 109.0], champion[0]["tok_s_samples"], 0.95)
+    assert not refused["promote"] and low < 0.05
+    assert refused["reason"] == (f"refused: tok/s 106.0 vs champion 100.0 (+6.0%, 95% bounds {low:+.1%} .. "
+                                 f"{refused['comparisons'][0]['tok_s_gain_high']:+.1%}; nightly.min_tok_s_gain +5.0% "
+                                 "by the lower bound) at concurrency 1")
+
+
+def test_decide_refuses_a_draft_that_accepts_exactly_what_the_champion_accepts():
+    # Faster beyond any noise, yet the same config and the same acceptance: the same draft, a noise-only "win".
+    refused = decide(NightlyConfig(min_tok_s_gain=0.0), rows(150.0, 3.0), rows(100.0, 3.0), same_draft_config=True)
+    assert not refused["promote"] and "the same draft, so a tok/s difference between them is noise" in refused["reason"]
+    other_config = decide(NightlyConfig(min_tok_s_gain=0.0), rows(150.0, 3.0), rows(100.0, 3.0))
+    assert other_config["promote"]
+
+
+def test_decide_needs_an_improvement_beyond_noise_when_a_slowdown_is_tolerated():
+    gate = NightlyConfig(min_tok_s_gain=-0.2)
+    refused = decide(gate, rows(99.0, 3.0), rows(100.0, 3.0))
+    assert not refused["promote"] and refused["reason"].startswith("refused: no measured improvement over the champion")
+    assert decide(gate, rows(95.0, 3.4), rows(100.0, 3.0))["promote"]  # better accept length, slower within -20%
 
 
 def test_decide_refuses_a_faster_draft_that_loses_accept_length_beyond_the_tolerance():
@@ -269,6 +336,44 @@ def test_first_draft_below_the_floor_does_not_become_champion():
     assert refused == {"promote": False, "comparisons": [],
                        "reason": "refused: accept length 1.05 below nightly.min_accept_length 1.2 at concurrency 1"}
     assert decide(gate, rows(50.0, 1.3), None)["reason"].startswith("promoted: first champion")
+
+
+def test_rounds_alternate_so_a_drift_weighs_on_both():
+    assert interleaved_order(["A", "B"], 3) == ["A", "B", "B", "A", "A", "B"]
+    assert interleaved_order(["B"], 3) == ["B"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_identical_drafts_are_never_promoted_over_each_other(nightlies, tmp_path):
+    """Two nightlies on the same data and seed train the same draft; here the trained draft against a byte copy
+    of itself, in 3 independent interleaved gates with the default tok/s margin (+2% by the lower bound)."""
+    trained = nightlies["trained"]
+    stages = manifest(trained["result"]["run_dir"])["stages"]
+    draft = Path(stages["export_checkpoint"]["outputs"]["sglang_dir"])
+    copy = shutil.copytree(draft, tmp_path / "copy")
+    cfg = load_experiment(trained["config"])
+    cfg = cfg.model_copy(update={"nightly": NightlyConfig(), "deploy": cfg.deploy.model_copy(update={"port": free_port()})})
+    run_dir = Path(trained["result"]["run_dir"])
+    upstream = {name: {**stages[name]["summary"], "outputs": stages[name]["outputs"]}
+                for name in ("generate_data", "export_checkpoint")}
+    ctx = StageContext("identical_gate", tmp_path / "stage", run_dir, "", "", upstream)
+    ctx.stage_dir.mkdir()
+    same_config = draft_identity(draft)["config"] == draft_identity(copy)["config"]
+    started, trials = time.monotonic(), []
+    for _ in range(3):
+        measured = measure_drafts(cfg, ctx, {"champion": str(draft), "challenger": str(copy)}, rounds=2)
+        pooled = {label: pooled_rows(rounds) for label, rounds in measured.items()}
+        trials.append(decide(cfg.nightly, pooled["challenger"], pooled["champion"], same_config))
+    assert [t["promote"] for t in trials] == [False, False, False]
+    for trial in trials:
+        compared = trial["comparisons"][0]
+        assert compared["same_acceptance"] and compared["accept_length_gain"] == 0.0
+        assert len(compared["tok_s_samples"]) == len(compared["champion_tok_s_samples"]) == 2
+        # The tok/s bound alone refuses too: the measured spread keeps a noise-only difference under +2%.
+        assert compared["tok_s_gain_low"] < cfg.nightly.min_tok_s_gain, compared
+    assert time.monotonic() - started < 600
+    assert reference_servers_alive(str(run_dir)) == []
 
 
 # ------------------------------------------------------------------ where training starts

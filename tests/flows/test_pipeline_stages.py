@@ -5,12 +5,17 @@ single-field changes mapped to the exact stages that run again (manifest and MLf
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from typer.testing import CliRunner
 
+from flows.cli import app
 from flows.experiment import eagle3_experiment
+from tasks.rundir import RunDirectory, file_sha256
 
 CONFIG = """\
 experiment: stages
@@ -74,9 +79,12 @@ def test_data_train_export_through_the_flow(stage_run):
         assert (run_dir / stage / "attempt-1" / "summary.json").is_file()
     train = json.loads((run_dir / "train_draft" / "attempt-1" / "summary.json").read_text())
     assert 1.0 <= train["metrics"]["simulated_accept_length"] <= 4.0
-    assert Path(train["outputs"]["target_dir"], "config.json").is_file()
+    # a summary's paths are relative to the run folder: inside it ./..., the runs root's cache ../../cache/...
+    assert train["outputs"]["target_dir"].startswith("../../cache/targets/tiny-target-")
+    assert (run_dir / train["outputs"]["target_dir"] / "config.json").is_file()
     exported = json.loads((run_dir / "export_checkpoint" / "attempt-1" / "summary.json").read_text())
-    sglang_config = json.loads(Path(exported["outputs"]["sglang_dir"], "config.json").read_text())
+    assert exported["outputs"]["sglang_dir"] == "./export_checkpoint/attempt-1/sglang"
+    sglang_config = json.loads((run_dir / exported["outputs"]["sglang_dir"] / "config.json").read_text())
     assert sglang_config["architectures"] == ["LlamaForCausalLMEagle3"]
     data = json.loads((run_dir / "generate_data" / "attempt-1" / "summary.json").read_text())
     assert sglang_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == data["aux_layer_ids"] == [1, 2, 3]
@@ -135,9 +143,9 @@ def test_single_field_change_reruns_exactly_what_depends_on_it(stage_run, tmp_pa
         text = text.replace(edit[0], edit[1], 1)
     changed = tmp_path / "changed.yaml"
     changed.write_text(text)
-    before = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    before = RunDirectory.open(run_dir).manifest["stages"]
     again = eagle3_experiment(str(changed), run_dir=str(run_dir), stages=["check_environment", *ML_STAGES])
-    after = json.loads((run_dir / "manifest.json").read_text())["stages"]
+    after = RunDirectory.open(run_dir).manifest["stages"]  # paths located where the folder is
 
     rerun = {s for s in ML_STAGES if len(after[s]["attempts"]) > len(before[s]["attempts"])}
     assert rerun == expected
@@ -173,3 +181,113 @@ def test_a_stage_without_its_upstream_outputs_says_which_stage_to_add(prefect_ha
     run_dir = next((tmp_path / "runs" / "stages").iterdir())
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["stages"] == {}  # nothing ran, nothing was half-recorded
+
+
+
+# ------------------------------------------------------------------ run folders that move
+
+
+def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under `folder` with its bytes' sha256 and its mtime: what "never touched" compares."""
+    return {str(p.relative_to(folder)): (file_sha256(p), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def copy_runs_root(runs: Path, to: Path) -> Path:
+    shutil.copytree(runs, to, symlinks=True)  # cp -a
+    return to
+
+
+def resume_ml_stages(config: Path, run_dir: Path, stages: tuple[str, ...] = ML_STAGES) -> tuple[dict, dict]:
+    """Resume `run_dir` on `stages` (and the environment check, which always runs): manifests before, after."""
+    before = RunDirectory.open(run_dir).manifest
+    eagle3_experiment(str(config), run_dir=str(run_dir), stages=["check_environment", *stages])
+    return before, RunDirectory.open(run_dir).manifest
+
+
+def assert_nothing_rerun(before: dict, after: dict, run_dir: Path) -> None:
+    for stage in ML_STAGES:  # the same attempts, the current one reused where the folder is now
+        assert len(after["stages"][stage]["attempts"]) == len(before["stages"][stage]["attempts"]), stage
+        assert after["stages"][stage]["current_attempt"] == before["stages"][stage]["current_attempt"], stage
+        assert Path(after["stages"][stage]["dir"]).parent.parent == run_dir
+    assert after["mlflow"]["parent_run_id"] == before["mlflow"]["parent_run_id"]  # the same MLflow parent, reopened
+
+
+def recorded_paths(run_dir: Path) -> str:
+    """The manifest as written, minus stage inputs (kept as recorded): every attempt's dir, outputs, summary."""
+    on_disk = json.loads((run_dir / "manifest.json").read_text())
+    return json.dumps([{k: v for k, v in a.items() if k != "inputs"}
+                       for entry in on_disk["stages"].values() for a in entry.get("attempts", [])])
+
+
+def artifact_uri(tracking_uri: str, run_id: str) -> str:
+    return MlflowClient(tracking_uri).get_run(run_id).info.artifact_uri
+
+
+@pytest.mark.slow
+def test_a_copied_runs_root_resumes_in_the_copy_and_never_touches_the_original(stage_run, tmp_path, monkeypatch):
+    config, runs, result = stage_run
+    original = snapshot(runs)  # run folder, mlflow.db, mlartifacts, tiny-target cache
+    copy_root = copy_runs_root(runs, tmp_path / "shared" / "runs")
+    run_dir = copy_root / "stages" / Path(result["run_dir"]).name
+    monkeypatch.chdir(tmp_path)  # another working directory
+    before, after = resume_ml_stages(config, run_dir)
+
+    assert_nothing_rerun(before, after, run_dir)
+    assert snapshot(runs) == original
+    store = after["mlflow"]["tracking_uri"]
+    assert store == f"sqlite:///{copy_root / 'mlflow.db'}"  # the copy's own store ...
+    copied_artifacts = (copy_root / "mlartifacts").as_uri() + "/"  # ... whose artifacts land in the copy
+    assert artifact_uri(store, after["stages"]["check_environment"]["mlflow_run_id"]).startswith(copied_artifacts)
+    assert artifact_uri(store, after["mlflow"]["parent_run_id"]).startswith(copied_artifacts)
+    assert str(tmp_path) not in recorded_paths(run_dir) and str(runs) not in recorded_paths(run_dir)
+
+
+@pytest.mark.slow
+def test_a_renamed_runs_root_resumes_and_compares_from_another_directory(stage_run, tmp_path, monkeypatch):
+    config, runs, result = stage_run
+    old_root = copy_runs_root(runs, tmp_path / "runs")
+    moved_config = tmp_path / "stages.yaml"  # the config as it was, naming the old root
+    moved_config.write_text(CONFIG.format(runs=old_root))
+    renamed = old_root.rename(tmp_path / "runs-renamed")  # mv runs runs-renamed
+    run_dir = renamed / "stages" / Path(result["run_dir"]).name
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # Only the last ML stage: its upstreams must be found reusable where the folder is now (they were
+    # not: "export_checkpoint needs the outputs of train_draft, but train_draft's inputs changed").
+    before, after = resume_ml_stages(moved_config, run_dir, stages=("export_checkpoint",))
+
+    assert_nothing_rerun(before, after, run_dir)
+    assert not old_root.exists()  # nothing (an MLflow artifact, the tiny target) recreated the old place
+    assert after["mlflow"]["tracking_uri"] == f"sqlite:///{renamed / 'mlflow.db'}"
+    report_run = after["stages"]["report"]["mlflow_run_id"]
+    assert artifact_uri(after["mlflow"]["tracking_uri"], report_run).startswith((renamed / "mlartifacts").as_uri())
+
+    name = f"stages-{Path(result['run_dir']).name}"
+    for where, shown in ((elsewhere, os.path.relpath(run_dir, elsewhere)), (renamed, f"stages/{run_dir.name}")):
+        monkeypatch.chdir(where)
+        compared = CliRunner().invoke(app, ["compare", shown])
+        assert compared.exit_code == 0, compared.output
+        assert name in compared.output and "FINISHED" in compared.output
+
+
+@pytest.mark.slow
+def test_a_moved_runs_root_reuses_its_cached_tiny_target(stage_run, tmp_path):
+    config, runs, result = stage_run
+    old_root = copy_runs_root(runs, tmp_path / "runs")
+    renamed = old_root.rename(tmp_path / "runs-renamed")
+    cache = renamed / "cache" / "targets"
+    cached = snapshot(cache)
+    changed = tmp_path / "fewer-samples.yaml"  # the data stage runs again, so it needs the target again
+    changed.write_text(CONFIG.format(runs=old_root).replace("  num_samples: 12", "  num_samples: 10"))
+    run_dir = renamed / "stages" / Path(result["run_dir"]).name
+    before = RunDirectory.open(run_dir).manifest["stages"]["generate_data"]
+    eagle3_experiment(str(changed), run_dir=str(run_dir), stages=["generate_data"])
+
+    data = RunDirectory.open(run_dir).manifest["stages"]["generate_data"]
+    assert data["status"] == "completed" and len(data["attempts"]) == len(before["attempts"]) + 1
+    assert Path(data["outputs"]["target_dir"]) == Path(before["outputs"]["target_dir"])  # the same target ...
+    assert Path(data["outputs"]["target_dir"]).parent == cache  # ... found in the moved root's cache
+    assert snapshot(cache) == cached  # reused as it was: not trained again, nothing added
+    assert not old_root.exists()

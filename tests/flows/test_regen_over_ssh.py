@@ -26,6 +26,7 @@ from prefect.settings import PREFECT_API_URL
 from eagle3.data.samples import read_samples
 from eagle3.data.target import load_target
 from flows.experiment import eagle3_experiment
+from tasks.rundir import RunDirectory
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +130,7 @@ def test_data_stage_regenerates_through_servers_it_deploys_over_ssh(prefect_harn
 
     # 2. resumed in the same run folder: new servers, only the unanswered prompts are asked
     result = eagle3_experiment(str(config), stages=["generate_data"], run_dir=str(run_dir))
-    stage = json.loads((run_dir / "manifest.json").read_text())["stages"]["generate_data"]
+    stage = RunDirectory.open(run_dir).manifest["stages"]["generate_data"]
     summary = stage["summary"]
     assert summary["num_failed"] == 0 and summary["regeneration"]["deploy"] == {"servers": 2, "host": "gpu-ssh"}
     registry = json.loads((run_dir / "servers.json").read_text())

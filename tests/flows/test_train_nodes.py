@@ -19,6 +19,7 @@ import pytest
 
 from flows.experiment import eagle3_experiment
 from tasks.pipeline import StageFailed
+from tasks.rundir import RunDirectory
 from tests.helpers import TEST_TARGET_YAML, free_port
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,7 @@ def data_run(prefect_harness, workdir, sshd) -> Path:
 
 def train(config: Path, run_dir: Path) -> dict:
     eagle3_experiment(str(config), run_dir=str(run_dir), stages=["train_draft"])
-    return json.loads((run_dir / "manifest.json").read_text())["stages"]["train_draft"]
+    return RunDirectory.open(run_dir).manifest["stages"]["train_draft"]
 
 
 def losses(stage: dict) -> list[float]:
@@ -98,7 +99,7 @@ def launcher_processes(root: Path) -> list[str]:
 
 
 def test_two_ranks_and_two_nodes_match_one_process(data_run, workdir, sshd):
-    single = json.loads((data_run / "manifest.json").read_text())["stages"]["train_draft"]
+    single = RunDirectory.open(data_run).manifest["stages"]["train_draft"]
     want = losses(single)
     assert len(want) == 4
     layouts = {  # global batch 4 each time
@@ -227,7 +228,7 @@ def test_ctrl_c_stops_every_node_and_the_next_run_resumes(data_run, workdir, ssh
 
     resumed = start_cli(command, workdir / "ctrl-c-resume.log")
     assert resumed.wait(timeout=600) == 0, (workdir / "ctrl-c-resume.log").read_text()[-3000:]
-    stage = json.loads((data_run / "manifest.json").read_text())["stages"]["train_draft"]
+    stage = RunDirectory.open(data_run).manifest["stages"]["train_draft"]
     assert stage["status"] == "completed" and stage["summary"]["steps"] == 400
     history = Path(stage["summary"]["checkpoint"]).parents[1] / "history.jsonl"
     steps = [json.loads(line)["step"] for line in history.read_text().splitlines() if "train/loss" in line]

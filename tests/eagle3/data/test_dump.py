@@ -73,7 +73,7 @@ def test_shard_file_is_safetensors_hashed_as_written_and_sized_as_estimated(tmp_
         assert torch.equal(fh.get_slice("aux_hidden_states")[5:8], tensors["aux_hidden_states"][5:8])
     header = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
     assert header % 8 == 0 and json.loads(path.read_bytes()[8:header])["lengths"]["dtype"] == "I64"
-    assert size - header == _dump_bytes(tokens, len(lengths), hidden, k, 2)
+    assert size - header == _dump_bytes(tokens, len(lengths), hidden, k, "bfloat16")
 
 
 def test_bench_capture_tiny_runs_on_cpu(tmp_path):
@@ -88,11 +88,17 @@ def test_bench_capture_tiny_runs_on_cpu(tmp_path):
     repo = Path(__file__).resolve().parents[3]
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(repo / "tests" / "benchmarks" / "bench_capture.py"), "--tiny",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                           "--dtypes", "bfloat16,float8_e4m3", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert list(report["results"]) == ["forward", "forward+hooks", "capture", "dump"]
+    assert list(report["results"]) == ["forward", "forward+hooks", "capture", "dump", "capture[float8_e4m3]",
+                                       "dump[float8_e4m3]"]
+    fp8 = report["dtypes"]["float8_e4m3"]  # 3 aux x (64 e4m3 + 1 fp32 scale per 64) + the last state in bf16
+    assert fp8["states_bytes_per_token_estimate"] == 3 * (64 + 4) + 64 * 2
+    assert 16 / report["seq"] <= fp8["bytes_per_token"] - fp8["bytes_per_token_estimate_with_ids_and_mask"] < 2
+    assert fp8["check"]["ids_equal"] and fp8["check"]["aux_rel_rms_error"] < 0.05
+    assert fp8["check"]["last_max_abs_diff"] < 0.05
     assert report["results"]["forward"]["ratio_to_forward"] == 1.0 and "vs forward" in proc.stdout
     assert report["states_bytes_per_token_estimate"] == 4 * 64 * 2
     per_token = report["bytes_per_token"] - report["bytes_per_token_estimate_with_ids_and_mask"]

@@ -131,8 +131,13 @@ def test_dense_attention_differs_from_plain_causal():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n_kv", [2, 8])
-def test_fast_ttt_attention_cuda_flash_matches_fp32_dense_reference(n_kv):
-    """bf16 CUDA flash path (GQA and MHA, head_dim 128) vs the dense mask on fp32 copies."""
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_fast_ttt_attention_cuda_flash_matches_fp32_dense_reference(n_kv, backend, monkeypatch):
+    """bf16 CUDA fast path (GQA and MHA, head_dim 128; causal block by cuDNN or FA2, each given the
+    merged out/LSE in backward) vs the dense mask on fp32 copies."""
+    import eagle3.draft.model as model_mod
+
+    monkeypatch.setattr(model_mod, "_causal_backend", backend)
     g = torch.Generator(device="cuda").manual_seed(0)
     shape_q, shape_kv = (2, 8, 384, 128), (2, n_kv, 384, 128)
     q = torch.randn(shape_q, device="cuda", generator=g)

@@ -194,6 +194,7 @@ def test_vocab_mapping_and_draft_to_target():
     t2d[used] = True
     model.set_vocab_mapping(used - torch.arange(40), t2d)
     assert torch.equal(model.draft_to_target(torch.arange(40)), used)
+    assert torch.equal(model.draft_vocab_columns(), t2d.nonzero().squeeze(-1))  # the teacher's columns
     with pytest.raises(ValueError, match="ascending"):
         model.set_vocab_mapping(used.flip(0) - torch.arange(40), t2d)
     with pytest.raises(ValueError, match="expected d2t"):
@@ -236,3 +237,37 @@ def test_bf16_cast_keeps_rope_frequencies_fp32():
     model = tiny_model().to(torch.bfloat16)
     assert model.rotary_emb.inv_freq.dtype == torch.float32
     assert model.fc.weight.dtype == torch.bfloat16 and model.t2d.dtype == torch.bool
+
+
+def test_accumulating_linear_sums_every_use_and_hands_the_sum_over_once():
+    """Three uses of one fused weight (as three TTT steps): the gradients the two master parameters
+    receive are the sum of the three x_i^T g_i, computed here by plain autograd; a use that never gets a
+    backward is reported."""
+    from eagle3.draft.fused_layer import WeightGradSlot, accumulating_linear
+
+    g = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, 7, generator=g, dtype=torch.float64, requires_grad=True) for n in (2, 3)]
+    xs = [torch.randn(2, 3, 7, generator=g, dtype=torch.float64) for _ in range(3)]
+    upstream = [torch.randn(2, 3, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+
+    def unroll(linear):
+        h, total = xs[0], 0
+        for x, u in zip(xs, upstream):
+            out = linear(x + 0.1 * h.sum(-1, keepdim=True))  # each use depends on the last
+            total = total + (out * u).sum()
+            h = out.sum(-1, keepdim=True).expand(2, 3, 7)
+        return total
+
+    slot = WeightGradSlot(masters, None)
+    total = unroll(lambda x: accumulating_linear(x, slot))
+    assert slot.uses == 3
+    total.backward()
+    assert slot.uses == 0 and slot.grad is None
+    refs = [m.detach().clone().requires_grad_() for m in masters]
+    unroll(lambda x: F.linear(x, torch.cat(refs))).backward()
+    for got, want in zip(masters, refs):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
+
+    weights = tiny_model().fused_layer_weights(None)
+    weights.linear("o", torch.randn(2, 3, 32))  # a use whose output reaches no loss
+    assert weights.pending() == ["o"]

@@ -551,3 +551,110 @@ def test_flush_cache_refused_while_a_request_runs(server):
                 return status
 
     assert asyncio.run(run()) == 400
+
+
+# --------------------------------------------------------------------------- abuse: 4xx, cancellation, a fast health check
+
+
+def server_counts(server) -> tuple[int, int]:
+    state = httpx.get(f"{server.url}/server_info", timeout=TIMEOUT).json()["internal_states"][0]
+    return state["num_running_reqs"], state["num_queue_reqs"]
+
+
+def raw_http(server, head: str, body: bytes) -> socket.socket:
+    """A client that writes `head` and `body` by hand (and may leave before the answer or the body's end)."""
+    port = int(server.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head.encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def new_log(server, offset: int, needle: str, timeout: float = 10) -> str:
+    """The server log since `offset`, once `needle` is in it."""
+    deadline = time.monotonic() + timeout
+    while needle not in (text := server.log_text()[offset:]):
+        assert time.monotonic() < deadline, f"{needle!r} not logged:\n{text[-3000:]}"
+        time.sleep(0.1)
+    return text
+
+
+def test_deep_json_huge_seed_and_n_past_the_cap_are_400_with_a_reason(server):
+    from eagle3.serving.http_api import MAX_BODY_DEPTH
+    from eagle3.serving.requests import MAX_PARALLEL_SAMPLES
+
+    deep = b"[" * 100_000 + b"]" * 100_000  # past Python's own recursion limit: the parser gives up
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert_openai_error(post_raw(server, path, deep), 400, "Bad Request", "nested deeper than")
+    nested = {"input_ids": [5], "sampling_params": {"stop": ["x"]}, "extra": json.loads("[" * 80 + "]" * 80)}
+    assert_openai_error(post(server, "/generate", nested), 400, "Bad Request", f"nested deeper than {MAX_BODY_DEPTH}")
+
+    one_token = {"max_new_tokens": 1, "temperature": 0}
+    assert_generate_error(post(server, "/generate", {"input_ids": [5], "sampling_params": {**one_token, "seed": 2**70}}),
+                          400, "sampling_params.seed")
+    assert_openai_error(post(server, "/v1/completions", {"prompt": [5], "max_tokens": 1, "seed": 2**70}), 400,
+                        "Bad Request", "seed")
+    assert_generate_error(post(server, "/generate", {"input_ids": [5], "sampling_params": {
+        **one_token, "n": MAX_PARALLEL_SAMPLES + 1}}), 400, "sampling_params.n")
+    for seed in (2**63 - 1, -(2**63)):  # the bounds themselves are served
+        ok = post(server, "/generate", {"input_ids": [5], "sampling_params": {**one_token, "seed": seed}})
+        assert ok.status_code == 200, ok.text
+    at_cap = post(server, "/generate", {"input_ids": [5], "sampling_params": {**one_token, "n": MAX_PARALLEL_SAMPLES}})
+    assert at_cap.status_code == 200 and len(at_cap.json()) == MAX_PARALLEL_SAMPLES
+    assert "Internal error" not in server.log_text()
+    assert_idle(server)
+
+
+def test_a_client_gone_mid_body_is_one_info_line(server):
+    offset = len(server.log_text())
+    sock = raw_http(server, "POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                            "Content-Length: 100000", b'{"text": "only the start of the body')
+    time.sleep(0.3)
+    sock.close()
+    log = new_log(server, offset, "Request dropped: the client disconnected before its request body was complete")
+    assert "Traceback" not in log and "Internal error" not in log
+    assert_idle(server)
+
+
+def test_a_dropped_whole_answer_is_cancelled_queued_and_running(server):
+    """A non-streaming call of 64 generations x 300 tokens (~20 s of decoding here) whose client leaves once
+    it runs: every request of the call is cancelled within a few seconds, the rest never prefilled."""
+    offset = len(server.log_text())
+    body = json.dumps({"input_ids": [9, 10, 11], "sampling_params": {
+        "max_new_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 64}}).encode()
+    sock = raw_http(server, f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                            f"Content-Length: {len(body)}", body)
+    deadline = time.monotonic() + 30
+    while server_counts(server) != (4, 60):  # --max-running-requests 4: four run, sixty wait
+        assert time.monotonic() < deadline, server_counts(server)
+        time.sleep(0.05)
+    sock.close()
+    left = time.monotonic()
+    while server_counts(server) != (0, 0):
+        assert time.monotonic() - left < 5, f"still {server_counts(server)} (running, queued) after the client left"
+        time.sleep(0.1)
+    log = new_log(server, offset, "Request dropped: the client disconnected before its answer was ready")
+    assert "Traceback" not in log
+    assert len([ln for ln in log.splitlines() if "Prefill batch" in ln]) < 64
+
+
+def test_health_answers_at_once_while_a_huge_prompt_is_tokenized(server):
+    """~3 MB of text takes seconds to tokenize; /health must not wait for it (it did: the whole time)."""
+    stdlib = Path(json.__file__).parents[1]
+    text = "".join((stdlib / m).read_text() for m in CORPUS_MODULES)
+    huge = (text * (3_000_000 // len(text) + 1))[:3_000_000]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as client:
+            big = asyncio.create_task(client.post("/generate", json={"text": huge}))
+            started, waits = time.monotonic(), []
+            while not big.done():
+                asked = time.monotonic()
+                assert (await client.get("/health")).status_code == 200
+                waits.append(time.monotonic() - asked)
+                await asyncio.sleep(0.2)
+            return await big, time.monotonic() - started, waits
+
+    big, took, waits = asyncio.run(run())
+    assert_generate_error(big, 400, "longer than the model's context length")
+    assert took > 2.0, f"the huge prompt took {took:.1f} s: too little to show anything"
+    assert len(waits) >= 5 and max(waits) < 1.5, (took, waits)

@@ -282,3 +282,53 @@ def test_deploy_preflight_dry_run_over_ssh_agrees_and_catches_a_disagreement(sgl
     assert [f.level for f in dry_run_findings(dry, predicted)] == ["info"]
     wrong = dry_run_findings(dry, {**predicted, "num_draft_tokens": 16})
     assert [f.message for f in wrong] == ["speculative_num_draft_tokens: SGLang resolves 4, eagleops predicted 16"]
+
+
+def test_sweep_settings_get_sglangs_resolution_in_one_batched_dry_run(sglang_python, tmp_path):
+    """The benchmark's sweep: each setting preflighted against the served model, then all resolved by the real
+    SGLang in one process (`--batch-json`), before any sweep server would start."""
+    import torch
+
+    from eagle3.draft.model import Eagle3DraftModel
+    from eagle3.export import export_sglang
+    from tasks.bench import checked_sweep
+    from tasks.config import ExperimentConfig
+    from tasks.deploy import Placement
+    from tasks.launch import launch_args
+    from tasks.remote import LocalExecutor
+    from tasks.served import launch_paths, read_served_model
+
+    target = {**LLAMA_TARGET, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 7,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(target))
+    draft_cfg = DraftModelConfig.from_target_config(target, draft_vocab_size=300, aux_layer_ids=[1, 3, 4])
+    torch.manual_seed(0)
+    draft = export_sglang(Eagle3DraftModel(draft_cfg), target, tmp_path / "draft", "float32")
+    (draft / "eagleops_training.json").write_text(json.dumps(
+        {"architecture": "LlamaForCausalLM", "num_hidden_layers": 7, "aux_layer_ids": [1, 3, 4], "hf_indices": [2, 4, 5]}))
+
+    class DryRunsCounted(LocalExecutor):
+        def __init__(self, python: str):
+            super().__init__(python)
+            self.dry_runs: list[list[str]] = []
+
+        def run(self, argv, **kwargs):
+            if "--batch-json" in argv:
+                self.dry_runs.append(list(argv))
+            return super().run(argv, **kwargs)
+
+    executor = DryRunsCounted(python=str(sglang_python))
+    cfg = ExperimentConfig(experiment="unit", deploy={
+        "server": "sglang", "extra_args": ["--device", "cuda"],  # no accelerator here to auto-detect
+        "speculative": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}},
+        bench={"sweep": [{"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 8},
+                         {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8}]})
+    placement = Placement(executor, None, str(tmp_path), str(tmp_path / "target"), str(draft))
+    argv = launch_args(cfg, model_path=placement.model_path, draft_path=placement.draft_path, port=cfg.deploy.port)
+    served = read_served_model(executor, launch_paths(argv), paths_from="launch command")
+    checked = checked_sweep(cfg, placement, draft, served)
+    assert [(spec.num_draft_tokens, predicted) for spec, predicted in checked] == [
+        (8, {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3, "max_running_requests": 48}),  # steps + 1
+        (8, {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8, "max_running_requests": 48})]
+    assert len(executor.dry_runs) == 1 and len(json.loads(executor.dry_runs[0][-1])) == 2

@@ -154,12 +154,35 @@ def test_fused_soft_cross_entropy_equals_reference():
     torch.testing.assert_close(ce_ng, ref.detach())
 
 
+def test_soft_cross_entropy_steps_flush_a_full_gradient_buffer(monkeypatch):
+    """A gradient buffer smaller than all steps' rows is flushed into an fp32 sum: same loss and
+    gradients as the unfused per-step reference."""
+    import eagle3.draft.losses as losses
+
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(24, 16, generator=g, requires_grad=True)
+    hiddens = [torch.randn(n, 16, generator=g, requires_grad=True) for n in (13, 9, 11)]
+    targets = [(p := torch.softmax(torch.randn(h.shape[0], 24, generator=g) * 3, -1), p.argmax(-1),
+                torch.rand(h.shape[0], generator=g) > 0.2) for h in hiddens]
+    scales = torch.tensor([1.0, 0.8, 0.64])
+    monkeypatch.setattr(losses, "_GRAD_BUFFER_BYTES", 10 * 24 * 4)  # 10 rows: flushes inside every step
+    loss, ce, _ = losses.soft_cross_entropy_steps(hiddens, weight, targets, scales, chunk_rows=4)
+    ref = sum(s * soft_cross_entropy_reference(h @ weight.T, p, v) for s, h, (p, _, v) in zip(scales, hiddens, targets))
+    torch.testing.assert_close(loss, ref)
+    got = torch.autograd.grad(loss, [weight, *hiddens])
+    want = torch.autograd.grad(ref, [weight, *hiddens])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_teacher_restricts_to_draft_vocab_and_flags_out_of_vocab_argmax():
     g = torch.Generator().manual_seed(0)
     lm_head, last = torch.randn(10, 4, generator=g), torch.randn(2, 5, 4, generator=g)
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[[1, 4, 6, 9]] = True
     p, ids, in_vocab = compute_teacher(last, lm_head, t2d, chunk_tokens=3)
+    given = compute_teacher(last, lm_head, t2d, chunk_tokens=3, columns=torch.tensor([1, 4, 6, 9]))
+    assert all(torch.equal(a, b) for a, b in zip((p, ids, in_vocab), given))
     logits = last @ lm_head.T
     torch.testing.assert_close(p, torch.softmax(logits[..., t2d], -1))
     assert torch.equal(in_vocab, t2d[logits.argmax(-1)])
@@ -480,6 +503,47 @@ def test_clip_folded_into_fused_adamw_equals_clip_grad_norm():
     assert results[0][1] == pytest.approx(results[1][1])
 
 
+def _adamw_runs(step_fn, device: str) -> list[torch.Tensor]:
+    """Three AdamW steps (weight decay on, a clipped and two unclipped gradients) from fixed weights."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 33, device=device)), torch.nn.Parameter(torch.randn(7, device=device))]
+    opt = torch.optim.AdamW(params, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    for i, clip in enumerate((4.0, 1.0, 1.0)):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(device) * (i + 1)
+        opt.param_groups[0]["lr"] = 3e-2 / (i + 1)  # as the scheduler changes it
+        step_fn(opt, torch.tensor(clip, device=device))
+    return [p.detach().cpu() for p in params] + [opt.state[params[0]]["exp_avg_sq"].cpu(),
+                                                  opt.state[params[0]]["step"].cpu()]
+
+
+def _torch_fused_step(opt, clip):
+    opt.grad_scale = clip
+    opt.step()
+    del opt.grad_scale
+
+
+def test_one_pass_adamw_update_equals_torchs_fused_adamw():
+    from eagle3.training.adamw import adamw_step
+
+    for got, want in zip(_adamw_runs(adamw_step, "cpu"), _adamw_runs(_torch_fused_step, "cpu")):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_adamw_update_on_cuda_equals_torchs_fused_adamw():
+    from eagle3.training import adamw
+
+    adamw.compile_adamw()
+    try:
+        got = _adamw_runs(adamw.adamw_step, "cuda")
+    finally:
+        adamw.uncompile_adamw()
+    for a, b in zip(got, _adamw_runs(_torch_fused_step, "cuda")):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
 # ---------------------------------------------------------------- integration: the real tiny target
 
 
@@ -791,3 +855,14 @@ def test_bench_train_loop_tiny_runs_the_real_trainer_on_cpu(tmp_path):
     assert math.isfinite(single["first_loss"]) and "tok/s/GPU" in proc.stdout
     history = [json.loads(line) for line in (tmp_path / "work" / "run-single" / "history.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history if "train/loss" in h] == [2, 4]
+
+
+def test_training_refuses_shards_whose_engine_hooked_other_layers():
+    from eagle3.training.train import _check_dataset_layers
+
+    manifest = {"architecture": "LlamaForCausalLM", "num_hidden_layers": 8, "aux_layer_ids": [1, 3, 4],
+                "engine": {"name": "sglang", "version": "0.5.23", "capture_indices": [2, 4, 5]}}
+    _check_dataset_layers(manifest, [1, 3, 4])  # Llama rule: ids + 1
+    manifest["engine"]["capture_indices"] = [1, 3, 4]  # an engine that took the ids as indices
+    with pytest.raises(ValueError, match=r"captured HF hidden_states \[1, 3, 4\].*from HF hidden_states \[2, 4, 5\]"):
+        _check_dataset_layers(manifest, [1, 3, 4])

@@ -1,0 +1,106 @@
+"""One command run detached on a host, watched from here: its log relayed, its end noticed.
+
+A stage that must run where the data or the GPUs are (the data stage on `data.host`) starts its
+command in its own process group on that host (`Executor.start_detached`, stdout and stderr to a
+log file there), then polls: new complete log lines are handed to the caller as they arrive, and
+the process's end is noticed. The command reports in JSON lines (`{"event": ...}`, as
+`python -m eagle3.data.generate` prints them); other lines are relayed as they are. Whatever ends
+the watch -- the command's end, an error here, Ctrl-C -- the process group is stopped.
+
+Risk: a job that dies without a word (OOM-killed, SIGKILL) must not look finished. Success is
+the command's own `done` event, never only its disappearance; anything else raises with the
+job's last error event and its log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tasks.remote import CommandFailed, Executor, RemoteError
+
+POLL_S = 1.0
+TAIL_LINES = 30
+
+
+class HostJobFailed(RuntimeError):
+    """The job ended without its `done` event; the message names host, command and log tail."""
+
+
+def new_log_lines(executor: Executor, log_file: str, offset: int) -> tuple[list[str], int]:
+    """Complete lines of `log_file` after byte `offset`, and the offset after them (a line still
+    being written waits for the next call)."""
+    with contextlib.suppress(CommandFailed):
+        text = executor.run(["tail", "-c", f"+{offset + 1}", log_file], check=True, log_output=False,
+                            timeout=60).stdout
+        complete = text[: text.rfind("\n") + 1]
+        return complete.splitlines(), offset + len(complete.encode())
+    return [], offset
+
+
+@dataclass
+class HostJob:
+    executor: Executor
+    label: str
+    root: str  # the job's folder on the host: its log and pid files
+
+    @property
+    def log_file(self) -> str:
+        return posixpath.join(self.root, f"{self.label}.log")
+
+    def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None, on_event: Callable[[dict], None],
+            on_line: Callable[[str], None]) -> dict:
+        """Start `argv` on the host and watch it to its end; returns its `done` event.
+
+        `on_event` gets each JSON event line, `on_line` every other line. Raises HostJobFailed when
+        the job ends without `done` (its `error` event, if any, leads the message).
+        """
+        self.executor.makedirs(self.root)
+        pid = self.executor.start_detached(list(argv), env=env, cwd=self.root, log_file=self.log_file,
+                                           pid_file=posixpath.join(self.root, f"{self.label}.pid"))
+        outcome: dict = {}
+        try:
+            self._watch(pid, outcome, on_event, on_line)
+        finally:
+            with contextlib.suppress(RemoteError, OSError):
+                self.executor.kill_group(pid)  # idempotent: a finished job's group is already gone
+        if "done" not in outcome:
+            raise HostJobFailed(self._failure(outcome.get("error")))
+        return outcome["done"]
+
+    def _watch(self, pid: int, outcome: dict, on_event, on_line) -> None:
+        offset, alive = 0, True
+        while alive:
+            time.sleep(POLL_S)
+            alive = self.executor.is_alive(pid)  # read after the check: the last lines are never missed
+            lines, offset = new_log_lines(self.executor, self.log_file, offset)
+            for line in lines:
+                event = _event(line)
+                if event is None:
+                    on_line(line)
+                    continue
+                if event["event"] in ("done", "error"):
+                    outcome[event["event"]] = event
+                on_event(event)
+
+    def _failure(self, error: dict | None) -> str:
+        try:
+            tail = self.executor.read_file(self.log_file, tail_lines=TAIL_LINES)
+        except (FileNotFoundError, CommandFailed):
+            tail = "(no log)"
+        what = error["message"] if error else "it ended without reporting (killed?)"
+        return f"{self.label} on {self.executor.name} failed: {what}; last lines of {self.log_file}:\n{tail}"
+
+
+def _event(line: str) -> dict | None:
+    if not line.startswith('{"event"'):
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None

@@ -1,0 +1,203 @@
+"""A rehearsal on this machine of each shipped GPU config: the run a real user starts first.
+
+`configs/llama-3.1-8b.yaml` and `configs/kimi-k2.5-int4.yaml` run end to end with only what this
+machine lacks replaced:
+- the GPU host is the local sshd (a real SSH connection), its workdir a folder here, its Python the
+  CPU SGLang 0.5.23 venv (`sglang_python`) with eagleops on its path: real SGLang captures for
+  `target.engine: sglang` (its model runner on the CPU engine, tp 1), transformers for `hf`;
+- the model on the host is the tiny test target (placed at the host's model path, as the weights
+  are on a real host before the run), the prompts file a few of the built-in prompts on the host;
+- SGLang serving is the reference server (`deploy.server: reference`: SGLang's flags, endpoints
+  and modes), for the regeneration servers the data stage starts and for deploy + benchmark;
+- sizes shrink to CPU scale (8 samples, a few steps, 1 GPU-rank per node, 1 server instead of 8).
+Every stage must run where the real cluster runs it, and nothing that should stay on the host may
+cross this machine: the test records every upload and download this process makes, checks where
+each stage's files are, and for the SGLang-engine config forbids transformers from loading any
+model weights, here and in every host process but the reference server (which stands in for SGLang).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3.config import TinyTargetConfig
+from eagle3.data.prompts import builtin_conversations, prompt_part
+from eagle3.data.tiny_target import build_tiny_target
+from flows.experiment import eagle3_experiment
+from tasks.remote.ssh import SSHExecutor
+from tasks.rundir import RunDirectory
+from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs at the start of every host process (the wrapper puts it on PYTHONPATH): in the rehearsal of
+# a target.engine sglang config, transformers may load model weights only in the reference server.
+FORBID_HF_WEIGHTS = textwrap.dedent(
+    """
+    import os, sys
+    if os.environ.get("REHEARSAL_FORBID_HF_WEIGHTS") and "eagle3.serve" not in " ".join(sys.orig_argv):
+        import importlib.abc, importlib.machinery
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("target.engine sglang: transformers loaded model weights in " + " ".join(sys.orig_argv))
+
+        class _Patch(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name != "transformers.modeling_utils":
+                    return None
+                sys.meta_path.remove(self)
+                spec = importlib.machinery.PathFinder.find_spec(name, path)
+                loader = spec.loader
+                original = loader.exec_module
+
+                def exec_module(module):
+                    original(module)
+                    module.PreTrainedModel.from_pretrained = classmethod(refuse)
+                loader.exec_module = exec_module
+                return spec
+
+        sys.meta_path.insert(0, _Patch())
+    """
+)
+
+
+class Transfers:
+    """Every upload and download this process makes over SSH (what crosses the orchestrator)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.uploads: list[str] = []
+        self.downloads: list[str] = []
+        upload, download = SSHExecutor.upload_file, SSHExecutor.download_file
+
+        def recorded_upload(executor, local, remote, *args, **kwargs):
+            self.uploads.append(str(local))
+            return upload(executor, local, remote, *args, **kwargs)
+
+        def recorded_download(executor, remote, local, *args, **kwargs):
+            self.downloads.append(str(remote))
+            return download(executor, remote, local, *args, **kwargs)
+
+        monkeypatch.setattr(SSHExecutor, "upload_file", recorded_upload)
+        monkeypatch.setattr(SSHExecutor, "download_file", recorded_download)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    tiny = yaml.safe_load(TEST_TARGET_YAML)["target"]["tiny"]
+    return build_tiny_target(TinyTargetConfig(**tiny), tmp_path_factory.mktemp("rehearsal-targets"))
+
+
+def host_python(tmp_path: Path, sglang_python: Path, forbid_hf: bool) -> Path:
+    """The GPU host's Python: the SGLang venv with eagleops importable (as `pip install eagleops` makes it)."""
+    site = tmp_path / "host-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FORBID_HF_WEIGHTS)
+    wrapper = tmp_path / "host-python"
+    flag = "REHEARSAL_FORBID_HF_WEIGHTS=1 " if forbid_hf else ""
+    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH="{site}:{REPO}" OMP_NUM_THREADS=1 {flag}\n'
+                       f'exec "{sglang_python}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def rehearsal_config(shipped: Path, tmp_path: Path, sshd, python: Path, model: Path) -> tuple[Path, dict]:
+    """The shipped config with its host mapped to the local sshd, its model to the tiny target and
+    SGLang serving to the reference server, at CPU scale. Returns the file and the host's folders."""
+    cfg = yaml.safe_load(shipped.read_text())
+    host = sshd.host_config()
+    name = cfg["data"]["host"]
+    workdir, prompts = tmp_path / "host-workdir", tmp_path / "host-data" / "prompts.jsonl"
+    prompts.parent.mkdir()
+    prompts.write_text("".join(json.dumps({"messages": prompt_part(c)}) + "\n" for c in builtin_conversations(10, 7)))
+    cfg["runs_root"] = str(tmp_path / "runs")
+    cfg["hosts"] = [{"name": name, "address": host.address, "port": host.port, "user": host.user,
+                     "key_file": host.key_file, "known_hosts": host.known_hosts, "workdir": str(workdir),
+                     "python": str(python)}]
+    cfg["target"].update({"model_path": str(model), "aux_layer_ids": None, "dtype": "float32"})
+    cfg["target"].pop("shape", None)
+    data = cfg["data"]
+    data.update({"prompts": str(prompts), "num_samples": 8, "max_length": 256, "capture_batch_size": 4,
+                 "draft_vocab_size": 64})
+    data["regenerate"].update({"concurrency": 2, "max_new_tokens": 24, "temperature": 0.0, "timeout_s": 120,
+                               "deploy": {"host": name, "servers": 1}})
+    data["capture"] = {"tp": 1, "max_batch_tokens": 1024}
+    cfg["train"].update({"devices": 1, "epochs": 1, "max_steps": 4, "precision": "auto", "num_workers": 0,
+                         "checkpoint_every": 2, "eval_every": 4, "log_every": 1})
+    cfg["train"].pop("draft", None)  # the draft takes the tiny target's shape
+    cfg["deploy"].update({"server": "reference", "port": free_port(), "model_path": str(model), "tp": 1,
+                          "startup_timeout_s": 240})
+    cfg["deploy"].pop("mem_fraction_static", None)
+    cfg["bench"].update({"num_prompts": 2, "warmup_runs": 0, "timed_runs": 1, "max_new_tokens": 16,
+                         "concurrency": [1], "min_speedup": None})
+    cfg["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": f"rehearsal-{shipped.stem}"}
+    path = tmp_path / shipped.name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path, {"workdir": workdir, "name": name}
+
+
+SHIPPED = ["llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", SHIPPED)
+def test_the_shipped_gpu_config_runs_every_stage_where_the_cluster_would(
+        config_name, prefect_harness, sshd, sglang_python, tiny_target, tmp_path, monkeypatch):
+    shipped = REPO / "configs" / config_name
+    engine = yaml.safe_load(shipped.read_text())["target"]["engine"]
+    model = tmp_path / "host-models" / "target"
+    shutil.copytree(tiny_target, model)  # the weights are on the GPU host before the run starts
+    python = host_python(tmp_path, sglang_python, forbid_hf=engine == "sglang")
+    config, host = rehearsal_config(shipped, tmp_path, sshd, python, model)
+    transfers = Transfers(monkeypatch)
+    if engine == "sglang":  # ... and in this process, the orchestrator
+        import transformers
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("target.engine sglang: the orchestrator loaded model weights in transformers")
+
+        monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+
+    result = eagle3_experiment(str(config))
+
+    run_dir = Path(result["run_dir"])
+    stages = RunDirectory.open(run_dir).manifest["stages"]
+    assert {name: s["status"] for name, s in stages.items()} == {name: "completed" for name in stages}, stages
+    assert set(stages) >= {"generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"}
+    workdir = host["workdir"]
+
+    # data: regenerated by servers on the host, captured and sharded there, by the configured engine
+    shards = list(workdir.glob("data/**/dataset/hidden_states/*.safetensors"))
+    manifest = json.loads(next(workdir.glob("data/**/dataset/hidden_states/manifest.json")).read_text())
+    assert shards and manifest["complete"] and len(manifest["shards"]) == len(shards)
+    assert manifest["engine"]["name"] == {"sglang": "sglang", "hf": "transformers"}[engine]
+    assert list(workdir.glob("data/**/dataset/samples.jsonl"))
+    served = json.loads((run_dir / "servers.json").read_text())
+    regen = [s for s in served.values() if s["label"].startswith("regenerate")]
+    assert regen and {s["host"] for s in served.values()} == {host["name"]} and {s["status"] for s in served.values()} == {"stopped"}
+
+    # training ran on the host, on the shards there; the checkpoint came back for export
+    assert list(workdir.glob("train/**/node-0/draft/checkpoints/step_*"))
+    assert (run_dir / "train_draft").is_dir() and list(run_dir.glob("train_draft/attempt-*/draft/checkpoints/step_*"))
+
+    # nothing that stays on the host crossed: no shard, no samples file, no target weights
+    local_files = [p.name for p in run_dir.rglob("*") if p.is_file()]
+    assert not [n for n in local_files if n.endswith(".safetensors") and n.startswith(("train-", "validation-"))]
+    assert "samples.jsonl" not in local_files
+    assert not list(run_dir.glob("generate_data/attempt-*/target/*.safetensors"))  # the target card: no weights
+    crossed = transfers.downloads + transfers.uploads
+    assert not [p for p in crossed if "/hidden_states/" in p and p.endswith(".safetensors")], crossed
+    assert not [p for p in crossed if p.endswith("samples.jsonl") or p.startswith(str(model)) and p.endswith(".safetensors")], crossed
+    assert {Path(p).name for p in transfers.downloads if p.startswith(str(model))} >= {"config.json", "tokenizer.json"}
+    assert not [p for p in transfers.uploads if "/dataset/" in p], transfers.uploads  # training did not re-upload it
+
+    # export, deploy and benchmark: the draft served with the chain setting on the host
+    bench = stages["run_benchmark"]["summary"]
+    assert any(row["speculative"] and row["tok_s_median"] > 0 for row in bench["rows"]), bench
+    assert any(not row["speculative"] for row in bench["rows"])  # the baseline, on the same host
+    assert not reference_servers_alive(str(workdir)) and not reference_servers_alive(str(run_dir))
