@@ -7,15 +7,17 @@ Prefect and MLflow are imported only by the commands that need them, so `validat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -28,7 +30,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, load_variants, masked_yaml  # noqa: E402
+from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, load_variants  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 draft pipeline: data, training, export, SGLang deploy, benchmark.")
 out = Console()
@@ -66,22 +68,65 @@ def _fail_config(error: ConfigError) -> None:
 
 @app.command()
 def validate(config: Path = typer.Argument(..., help="Experiment or sweep YAML.")) -> None:
-    """Validate a config and print it resolved (defaults filled, ${ENV} expanded, secrets masked),
-    then check its SGLang launch flags: what SGLang would refuse is an error, what it would rewrite
-    is an error unless deploy.speculative.allow_adjustments is set."""
+    """Validate a config; print what differs from the defaults (${ENV} expanded, secrets masked) and what SGLang
+    will run (asked -> effective); a sweep as one table of its variants. What SGLang would refuse is an error,
+    what it would rewrite is an error unless deploy.speculative.allow_adjustments is set."""
     try:
         variants = load_variants(config)
     except ConfigError as error:
         _fail_config(error)
-    errors = 0
-    for index, (name, cfg) in enumerate(variants):
-        if name:
-            out.rule(name)
-        out.print(Syntax(masked_yaml(cfg), "yaml"))
-        errors += _print_launch_findings(config, index if name else None, name, cfg)
+    changed = [_non_defaults(cfg) for _, cfg in variants]
+    varying = sorted({k for c in changed for k in c if any(c.get(k) != other.get(k) for other in changed)})
+    common = {k: v for k, v in changed[0].items() if k not in varying}
+    out.print(f"{config}: what differs from the defaults (secrets masked)", highlight=False, soft_wrap=True)
+    for key, value in sorted(common.items()):
+        out.print(f"  {key}: {value}", highlight=False, soft_wrap=True, markup=False)
+    runs = [_sglang_runs(cfg) for _, cfg in variants]
+    if len(variants) == 1:
+        out.print(f"SGLang runs: {runs[0]}", highlight=False, soft_wrap=True)
+    else:
+        table = Table(title=f"{len(variants)} sweep variants (each with the fields above)", box=box.SIMPLE_HEAD)
+        for column in ("#", "variant", "differs", "SGLang runs (asked -> effective)"):
+            table.add_column(column)
+        for index, ((name, _), diff, ran) in enumerate(zip(variants, changed, runs)):
+            differs = ", ".join(f"{k.removeprefix('deploy.speculative.')}={diff.get(k, '(default)')}" for k in varying)
+            table.add_row(str(index), name or "-", differs, ran)
+        out.print(table)
+    errors = sum(_print_launch_findings(config, index if name else None, name, cfg)
+                 for index, (name, cfg) in enumerate(variants))
     if errors:
         raise typer.Exit(BAD_INPUT)
     _say("ok", "green", str(config))
+
+
+def _non_defaults(cfg) -> dict[str, str]:
+    """Flattened fields whose value differs from a config with only the required fields set, secrets masked;
+    a whole section that is only the default for another kind (target.tiny of an HF target) is left out."""
+    from tasks.config import ExperimentConfig, flatten, masked_dict
+
+    mine = flatten(masked_dict(cfg))
+    try:
+        defaults = flatten(masked_dict(ExperimentConfig.model_validate({"experiment": cfg.experiment})))
+    except ValueError:  # a config model whose required fields are more than the name: show it all
+        defaults = {}
+    return {k: v for k, v in mine.items() if defaults.get(k) != v}
+
+
+def _sglang_runs(cfg) -> str:
+    """`4/1/5 -> 4/1/5` (num_steps/eagle_topk/num_draft_tokens, `auto` = unset): asked, then SGLang 0.5.23's
+    effective values for these launch flags."""
+    from tasks.launch import effective_settings, launch_args, predict, target_architecture
+
+    spec = cfg.deploy.speculative
+    asked = "/".join("auto" if v is None else str(v) for v in (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens))
+    try:
+        args = launch_args(cfg, model_path=cfg.deploy.model_path or cfg.target.model_path or "TARGET", draft_path="DRAFT",
+                           port=cfg.deploy.port)
+        effective = effective_settings(spec, predict(cfg, args, target_architecture(cfg, cfg.deploy.model_path)))
+    except (ValueError, OSError) as error:  # the findings below say why
+        return f"{asked} -> unknown ({str(error).splitlines()[0][:80]})"
+    ran = "/".join("?" if effective[k] is None else str(effective[k]) for k in ("num_steps", "eagle_topk", "num_draft_tokens"))
+    return f"{asked} -> {ran}" + ("" if asked == ran else " (rewritten)")
 
 
 def _print_launch_findings(config: Path, index: int | None, variant: str | None, cfg) -> int:
@@ -177,7 +222,13 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
     from tasks.pipeline import DiskFull, Pipeline, SelectionError, StageFailed
     from tasks.secrets import redact
 
+    from prefect.settings import PREFECT_API_URL
+
+    from tasks.tracking import NO_PREFECT_UI_ENV
+
     Pipeline.active = None
+    if not PREFECT_API_URL.value():  # prefect_api() starts a temporary server: its address is no link to keep
+        os.environ[NO_PREFECT_UI_ENV] = "1"
     try:
         with signals_as_exceptions(), redacted_stdio(), prefect_api():
             result = eagle3_experiment(
@@ -202,32 +253,61 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
             raise
         err.print(redact(_disk_full_line(config, variant, error)), highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
-    table = Table(title=f"{config} -> {result['run_dir']}")
-    table.add_column("stage")
-    table.add_column("status")
+    table = Table(title=f"stages of {config}", box=box.SIMPLE_HEAD)
+    table.add_column("stage", no_wrap=True)
+    table.add_column("status", no_wrap=True)
     for name, status in result["stages"].items():
         table.add_row(name, str(status))
     out.print(table)
-    out.print(f"MLflow parent run: {result['mlflow_run_id']}")
     bench = result.get("results", {}).get("run_benchmark")
     if bench:
         _print_benchmark(bench)
+    _print_links(result["mlflow_run_id"], _recorded_tracking_uri(Path(result["run_dir"])))
+    # Last and alone on its line, never wrapped by Rich: the folder to copy into --run-dir, compare, teardown.
+    print("run folder:", flush=True)
+    print(result["run_dir"], flush=True)
+
+
+def _recorded_tracking_uri(run_dir: Path) -> str | None:
+    manifest = run_dir / "manifest.json"
+    return json.loads(manifest.read_text()).get("mlflow", {}).get("tracking_uri") if manifest.is_file() else None
+
+
+def _print_links(run_id: str, tracking_uri: str | None) -> None:
+    """Where the run is in MLflow: its runs table (headline columns, model-training mode) and the run itself."""
+    from tasks.secrets import redact
+    from tasks.tracking import is_placeholder, run_links
+
+    if not tracking_uri or is_placeholder(run_id):
+        out.print(f"MLflow parent run: {run_id} (not uploaded yet: eagleops sync RUN_DIR)", highlight=False, soft_wrap=True)
+        return
+    try:
+        links = run_links(tracking_uri, run_id)
+    except Exception as error:  # the run finished; a store that stopped answering only costs the links
+        out.print(f"MLflow parent run: {run_id} (links unavailable: {redact(str(error).splitlines()[0])})",
+                  highlight=False, soft_wrap=True)
+        return
+    if "serve" in links:
+        print(f"MLflow UI: {links['serve']}", flush=True)
+    print(f"MLflow runs table: {links['experiment']}", flush=True)
+    print(f"MLflow parent run: {links['run']}", flush=True)
 
 
 def _print_benchmark(bench: dict) -> None:
     """The answer, last: tok/s of the baseline and each setting, speedup, accept length online/offline, verdict."""
-    table = Table(title="benchmark (median tok/s of the timed runs)")
-    for column in ("setting", "conc.", "tok/s", "speedup", "accept len online", "offline (sim.)"):
-        table.add_column(column)
-    base = {r["concurrency"]: r["tok_s_median"] for r in bench["rows"] if not r["speculative"]}
-    offline = bench["offline"].get("per_setting", {})
-    for r in bench["rows"]:
-        speedup = r["tok_s_median"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None
-        expected = offline.get(r["setting"], {}).get("expected_accept_length")
-        table.add_row(r["setting"], str(r["concurrency"]), f"{r['tok_s_median']:.1f}",
-                      f"{speedup:.2f}x" if speedup else "unknown" if r["speculative"] else "-",
-                      f"{r['decode_accept_length']:.2f}" if r["decode_accept_length"] else "-",
-                      f"{expected:.2f}" if expected else "-")
+    from tasks.report_bench import comparison_rows, shown, short_setting
+
+    table = Table(title="benchmark: median tok/s of the timed runs; accept length in tokens per verify step",
+                  box=box.SIMPLE_HEAD)
+    for column in ("setting", "conc.", "tok/s", "speedup", "accept len online", "offline (sim., at depth)"):
+        table.add_column(column, no_wrap=column in ("setting", "tok/s", "speedup"))
+    for c in comparison_rows(bench["rows"], bench["offline"]):
+        depth = f" (depth {c['offline_depth']})" if c["offline_depth"] else ""
+        speculative = c["setting"] != "baseline"
+        table.add_row(short_setting(c["setting"]), str(c["concurrency"]), shown(c["tok_s_median"], "tok_s"),
+                      shown(c["speedup"], "speedup") if c["speedup"] else "unknown" if speculative else "-",
+                      shown(c["accept_length_online"], "accept_length"),
+                      shown(c["accept_length_offline"], "accept_length") + depth)
     out.print(table)
     verdict = bench["verdict"]
     colour = {"faster": "green", "faster_with_alarms": "yellow"}.get(verdict["status"], "red")
@@ -242,25 +322,64 @@ def runs(
     as_json: bool = typer.Option(False, "--json", help="Print JSON lines instead of a table."),
 ) -> None:
     """List recent experiment runs from MLflow, newest first."""
+    from tasks.report_bench import shown
+    from tasks.secrets import redact
     from tasks.tracking import default_tracking_uri, recent_runs
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
-        err.print(f"no MLflow store at {uri} yet: run an experiment first")
+        err.print(f"no MLflow store at {uri} yet: run an experiment first", highlight=False, soft_wrap=True)
         return
-    rows = recent_runs(uri, experiment, limit)
+    with _mlflow_lookup(uri, "runs"):
+        rows = recent_runs(uri, experiment, limit)
     if as_json:
         for row in rows:
             print(json.dumps(row))
         return
-    table = Table(title=f"eagleops runs ({uri})")
-    for column in ("started", "experiment", "run", "status", "config", "headline"):
-        table.add_column(column)
+    experiments = sorted({row["experiment"] for row in rows})
+    table = Table(title=f"eagleops runs of {', '.join(experiments) or 'no experiment'}, newest first", box=box.SIMPLE_HEAD,
+                  caption=f"{redact(uri)}; accept length offline: training's simulated figure at the setting's depth",
+                  caption_justify="left", pad_edge=False, collapse_padding=True)
+    for column, justify in RUNS_COLUMNS:
+        table.add_column(column, justify=justify, no_wrap=True)
     for row in rows:
-        started = datetime.fromtimestamp(row["start_time"] / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M")
-        headline = ", ".join(f"{k}={v:.4g}" for k, v in list(_headline(row["metrics"]).items())[:4])
-        table.add_row(started, row["experiment"], row["run_name"], row["status"], row["config_hash"], headline)
+        started = datetime.fromtimestamp(row["start_time"] / 1000, timezone.utc).strftime("%m-%d %H:%M")
+        m = row["metrics"]
+        table.add_row(row["run_name"] if len(experiments) == 1 else f"{row['experiment']}/{row['run_name']}", started,
+                      row["setting"], row["status"].lower(),
+                      shown(m.get("run_benchmark.best_tok_s"), "tok_s"),
+                      shown(m.get("run_benchmark.speedup"), "speedup"),
+                      shown(m.get("run_benchmark.accept_length_online"), "accept_length"),
+                      shown(m.get("run_benchmark.accept_length_offline"), "accept_length"))
     out.print(table)
+
+
+# `eagleops runs`: the headline figures of the best setting; fits 100 columns with a 27-character run name.
+RUNS_COLUMNS = (("run", "left"), ("started", "left"), ("setting", "left"), ("status", "left"), ("tok/s", "right"),
+                ("speedup", "right"), ("accept\nonline", "right"), ("accept\noffline", "right"))
+
+
+@contextlib.contextmanager
+def _mlflow_lookup(uri: str, command: str):
+    """MLflow reads of a CLI lookup: a server that does not answer, a store without the run or experiment, or
+    another refusal is one line naming what was looked up, exit 2, never a traceback."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks.secrets import redact
+    from tasks.tracking import is_outage, probe_tracking_server, short_error
+
+    reason = probe_tracking_server(uri)
+    if reason is not None:
+        _say("error", "red", f"{command}: MLflow tracking server {redact(uri)} is not reachable ({reason})")
+        raise typer.Exit(BAD_INPUT)
+    try:
+        yield
+    except (MlflowException, LookupError, OSError) as error:
+        if is_outage(error):
+            _say("error", "red", f"{command}: MLflow tracking server {redact(uri)} stopped answering")
+        else:
+            _say("error", "red", f"{command}: {short_error(error)} ({redact(uri)})")
+        raise typer.Exit(BAD_INPUT)
 
 
 @app.command()
@@ -271,23 +390,24 @@ def sync(
 ) -> None:
     """Upload what a run recorded while its MLflow server was unreachable (runs, params, metrics, tags,
     artifacts, statuses), in order; placeholder run ids in the manifest become the real ones.
-    A second sync uploads nothing. Exit 1 when the server does not answer or refused entries."""
+    A second sync uploads nothing. Exit 2 when the folder is not a run folder or the server does not answer,
+    exit 1 when it refused entries."""
     from tasks.rundir import MANIFEST, RunDirectory
     from tasks.tracking import TrackingUnavailable, sync_journal
 
     manifest_path = run_dir / MANIFEST
     if not manifest_path.is_file():
-        err.print(f"[red]error[/red] {run_dir} is not a run directory (no {MANIFEST})")
+        _say("error", "red", f"sync: {run_dir} is not a run directory (no {MANIFEST})")
         raise typer.Exit(BAD_INPUT)
     uri = tracking_uri or RunDirectory.open(run_dir).manifest.get("mlflow", {}).get("tracking_uri")  # where it is now
     if not uri:
-        err.print(f"[red]error[/red] {manifest_path} records no MLflow tracking URI: pass --tracking-uri")
+        _say("error", "red", f"sync: {manifest_path} records no MLflow tracking URI: pass --tracking-uri")
         raise typer.Exit(BAD_INPUT)
     try:
         result = sync_journal(run_dir, uri)
     except TrackingUnavailable as error:
-        err.print(f"[red]error[/red] {error}", highlight=False, soft_wrap=True)
-        raise typer.Exit(STAGE_FAILED)
+        _say("error", "red", f"sync: {error}; nothing more was uploaded, run sync again once it answers")
+        raise typer.Exit(BAD_INPUT)
     except ValueError as error:  # an unreadable journal or state file
         err.print(f"[red]error[/red] {error}", highlight=False, soft_wrap=True)
         raise typer.Exit(BAD_INPUT)
@@ -349,12 +469,6 @@ def deploy_flows(
         raise typer.Exit(STAGE_FAILED)
     out.print(f"registered {len(chosen)} deployments from {prefect_file}: {', '.join(d.name for d in chosen)}",
               highlight=False, soft_wrap=True)
-
-
-def _headline(metrics: dict[str, float]) -> dict[str, float]:
-    """Metrics worth a glance first: accept lengths and throughput, then wall times."""
-    keys = sorted(metrics, key=lambda k: (not any(w in k for w in ("accept", "tok_s", "speedup")), k))
-    return {k: metrics[k] for k in keys}
 
 
 @app.command()
@@ -428,7 +542,7 @@ def teardown(
 
     manifest = run_dir / "manifest.json"
     if not manifest.is_file():
-        err.print(f"[red]error[/red] {run_dir}: not a run directory (no manifest.json)")
+        _say("error", "red", f"teardown: {run_dir} is not a run directory (no manifest.json)")
         raise typer.Exit(BAD_INPUT)
     try:
         cfg = _teardown_config(run_dir, config)
@@ -462,9 +576,21 @@ def _teardown_config(run_dir: Path, config: Path | None):
     return None
 
 
-COMPARE_METRICS = ("run_benchmark.baseline_tok_s", "run_benchmark.best_tok_s", "run_benchmark.speedup",
-                   "run_benchmark.accept_length_online", "run_benchmark.accept_length_offline",
-                   "train_draft.simulated_accept_length", "train_draft.steps", "generate_data.num_samples")
+# (label, MLflow metric of the parent run, kind of figure): the headline first, each labelled with what it is.
+COMPARE_METRICS = (
+    ("best tok/s (run_benchmark.best_tok_s)", "run_benchmark.best_tok_s", "tok_s"),
+    ("baseline tok/s (run_benchmark.baseline_tok_s)", "run_benchmark.baseline_tok_s", "tok_s"),
+    ("speedup (run_benchmark.speedup)", "run_benchmark.speedup", "speedup"),
+    ("accept len online (run_benchmark.accept_length_online)", "run_benchmark.accept_length_online", "accept_length"),
+    ("accept len offline, sim. at the setting's depth (run_benchmark.accept_length_offline)",
+     "run_benchmark.accept_length_offline", "accept_length"),
+    ("offline depth (run_benchmark.accept_length_offline_depth)", "run_benchmark.accept_length_offline_depth", "count"),
+    ("accept len offline, sim. at full TTT depth (train_draft.simulated_accept_length)",
+     "train_draft.simulated_accept_length", "accept_length"),
+    ("training steps (train_draft.steps)", "train_draft.steps", "count"),
+    ("samples (generate_data.num_samples)", "generate_data.num_samples", "count"),
+)
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
 @app.command()
@@ -475,35 +601,53 @@ def compare(
     """Print runs side by side from MLflow: their speculative setting, training and benchmark figures."""
     from mlflow.tracking import MlflowClient
 
+    from tasks.report_bench import shown
+
     resolved = [_parent_of(r, tracking_uri) for r in runs]
+    fetched = []
+    for (uri, run_id), given in zip(resolved, runs):
+        with _mlflow_lookup(uri, f"compare {given}"):
+            fetched.append(MlflowClient(uri).get_run(run_id))
     table = Table(title="eagleops compare")
     table.add_column("")
-    for uri, run_id in resolved:
-        table.add_column(MlflowClient(uri).get_run(run_id).info.run_name)
-    fetched = [MlflowClient(uri).get_run(run_id) for uri, run_id in resolved]
+    for run in fetched:
+        table.add_column(run.info.run_name)
     rows = [("status", [r.info.status for r in fetched]),
-            ("speculative", [r.data.tags.get("eagleops.speculative", "-") for r in fetched]),
+            ("speculative (asked)", [r.data.tags.get("eagleops.speculative", "-") for r in fetched]),
+            ("best setting", [r.data.tags.get("eagleops.best_setting", "-") for r in fetched]),
             ("target", [r.data.tags.get("eagleops.target", "-") for r in fetched]),
             ("train.lr", [r.data.params.get("train.lr", "-") for r in fetched])]
-    rows += [(m, [_fmt_metric(r.data.metrics.get(m)) for r in fetched]) for m in COMPARE_METRICS]
+    rows += [(label, [shown(r.data.metrics.get(metric), kind) for r in fetched]) for label, metric, kind in COMPARE_METRICS]
     for label, values in rows:
         table.add_row(label, *values)
     out.print(table)
 
 
 def _parent_of(run: str, tracking_uri: str | None) -> tuple[str, str]:
-    if (Path(run) / "manifest.json").is_file():
+    """(tracking URI, parent run id) of a run folder or an MLflow run id; a wrong one is one line, exit 2."""
+    from tasks.tracking import default_tracking_uri
+
+    if Path(run).exists() or os.sep in run:
+        if not (Path(run) / "manifest.json").is_file():
+            problem = "is not a run folder (no manifest.json)" if Path(run).is_dir() else "does not exist"
+            _say("error", "red", f"compare: {run} {problem}; give a run folder or an MLflow run id")
+            raise typer.Exit(BAD_INPUT)
         from tasks.rundir import RunDirectory
 
         recorded = RunDirectory.open(run).manifest.get("mlflow", {})  # the store where the folder is now
+        if not recorded.get("parent_run_id") or not (tracking_uri or recorded.get("tracking_uri")):
+            _say("error", "red", f"compare: {run}/manifest.json records no MLflow parent run")
+            raise typer.Exit(BAD_INPUT)
         return tracking_uri or recorded["tracking_uri"], recorded["parent_run_id"]
-    from tasks.tracking import default_tracking_uri
+    if not RUN_ID.fullmatch(run):
+        _say("error", "red", f"compare: {run} is neither a run folder nor an MLflow run id (32 hex digits)")
+        raise typer.Exit(BAD_INPUT)
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        _say("error", "red", f"compare: no MLflow store at {uri} to look run {run} up in; pass --tracking-uri")
+        raise typer.Exit(BAD_INPUT)
+    return uri, run
 
-    return tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs"), run
-
-
-def _fmt_metric(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ run-directory folder and MLflow child run, skips stages that completed earlier w
 inputs, and stops the run at the first failure.
 """
 
+from pathlib import Path
+
 from prefect import flow
 from prefect.runtime import flow_run
 
@@ -21,7 +23,7 @@ from tasks.deploy import deploy_server, teardown_for_flow_run, teardown_run
 from tasks.env import check_environment
 from tasks.export import export_checkpoint
 from tasks.pipeline import Pipeline, is_interrupt
-from tasks.report import report
+from tasks.report import link_runs, report
 from tasks.train import train_draft
 
 
@@ -30,7 +32,24 @@ def _teardown_hook(flow, flow_run, state) -> None:
     teardown_for_flow_run(flow_run.parameters, str(flow_run.id))
 
 
-@flow(name="eagle3-experiment", log_prints=True,
+def _flow_run_name() -> str:
+    """`<experiment> <num_steps/topk/draft tokens>` (and the sweep variant), so the Prefect UI lists runs by what
+    they measure; the config file's name when the config does not load (the flow then reports why)."""
+    from prefect.runtime import flow_run as current
+
+    params = current.parameters
+    try:
+        cfg = apply_overrides(load_experiment(params.get("config_path", DEFAULT_CONFIG), params.get("variant")),
+                              params.get("overrides"))
+    except Exception:  # noqa: BLE001 -- a name is no place to fail: the flow's first line reports the config error
+        return f"eagle3 {Path(str(params.get('config_path', DEFAULT_CONFIG))).stem}"
+    spec = cfg.deploy.speculative
+    setting = "/".join("auto" if v is None else str(v) for v in (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens))
+    variant = f" variant {params['variant']}" if params.get("variant") is not None else ""
+    return f"{cfg.experiment} {setting}{variant}"
+
+
+@flow(name="eagle3-experiment", log_prints=True, flow_run_name=_flow_run_name,
       on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
 def eagle3_experiment(
     config_path: ConfigPath = DEFAULT_CONFIG,
@@ -53,6 +72,8 @@ def eagle3_experiment(
     """
     cfg = apply_overrides(load_experiment(config_path, variant), overrides)
     pipeline = Pipeline(cfg, config_path, stages, run_dir, flow_run_id=str(flow_run.id))
+    # the MLflow run names the Prefect flow run, the flow run links to the MLflow run
+    link_runs(pipeline.cfg, pipeline.run.path, pipeline.parent, str(flow_run.id))
     try:
         # 1. can this machine run the experiment? a fail stops here, before anything expensive
         pipeline.run_stage(check_environment)

@@ -57,7 +57,7 @@ from tasks.deploy import (
 from tasks.diagnose import diagnose, expected_accept_length
 from tasks.launch import launch_args
 from tasks.pipeline import StageContext, logger
-from tasks.report_bench import log_bench_report
+from tasks.report_bench import log_bench_report, rounded, shown
 
 # ------------------------------------------------------------------ prompts
 
@@ -139,15 +139,17 @@ def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_lo
         "server_metrics_accept_length": result.server.metrics_accept_length,
         "log_accept_len": decode_log.get("accept_len_mean"), "log_gen_throughput": decode_log.get("gen_throughput_mean"),
         "log_decode_lines": decode_log.get("lines"),
-        "accepted_by_position": accepted_by_position(result),
+        "accepted_by_position": accepted_by_position(result, (handle.effective or {}).get("num_steps")),
         "output_ids": [r.output_ids for r in result.runs[-1].requests] if result.runs else [],
         "disagreements": compare_client_server(result) if handle.speculative else [],
         "verify_s": _verify_seconds(result),
     }
 
 
-def accepted_by_position(result: BenchResult) -> list[float]:
-    """Share of verify steps whose draft token at position k was accepted (from the correct-drafts histogram)."""
+def accepted_by_position(result: BenchResult, depth: int | None = None) -> list[float]:
+    """Share of verify steps whose draft token at position k was accepted (from the correct-drafts histogram),
+    k = 1..depth: a server may report more bins than it drafts (SGLang's histogram has a fixed width), and
+    positions past the served depth are never drafted."""
     histogram: list[int] = []
     for run in result.runs:
         for request in run.requests:
@@ -159,7 +161,8 @@ def accepted_by_position(result: BenchResult) -> list[float]:
     if not total:
         return []
     # histogram[j] = verifies with exactly j drafts accepted; position k accepted in those with j > k.
-    return [sum(histogram[k + 1:]) / total for k in range(len(histogram) - 1)]
+    positions = len(histogram) - 1 if depth is None else min(depth, len(histogram) - 1)
+    return [sum(histogram[k + 1:]) / total for k in range(positions)]
 
 
 def _verify_seconds(result: BenchResult) -> float | None:
@@ -178,8 +181,8 @@ def bench_one(cfg, ctx, handle: ServerHandle, endpoint: str, prompts: list) -> l
         row = setting_row(handle.label, handle, result, decode_log, concurrency)
         for line in row["disagreements"]:
             logger().warning(f"{handle.label}: client and server disagree: {line}")
-        logger().info(f"{handle.label} (concurrency {concurrency}): {row['tok_s_median']:.1f} tok/s median, "
-                      f"accept length {row['accept_length'] or '-'}")
+        logger().info(f"{handle.label} (concurrency {concurrency}): {shown(row['tok_s_median'], 'tok_s')} tok/s median, "
+                      f"accept length {shown(row['decode_accept_length'], 'accept_length')} (tokens per verify step)")
         rows.append(row)
     return rows
 
@@ -237,15 +240,17 @@ def measure_settings(cfg, ctx, placement: Placement, deployed: ServerHandle, swe
 
 def offline_figures(ctx: StageContext, rows: list[dict], prompt_ids, target_dir: Path | None, draft_dir: Path,
                     cfg: ExperimentConfig) -> dict[str, Any]:
-    """Training's simulated accept length (per setting depth) and the reference decoder's, same prompts."""
+    """Training's simulated accept length at each setting's depth (its served num_steps: what that setting can
+    accept at most), the full-depth figure, and the reference decoder's accept length on the same prompts."""
     trained = ctx.upstream.get("train_draft", {})
     acc = trained.get("acc") or []
     figures: dict[str, Any] = {"simulated_accept_length": trained.get("simulated_accept_length"), "acc": acc,
                                "per_setting": {}}
     for row in rows:
         if row["speculative"] and acc:
-            figures["per_setting"][row["setting"]] = {
-                "expected_accept_length": expected_accept_length(acc, row["effective"]["num_steps"])}
+            depth = row["effective"]["num_steps"]
+            figures["per_setting"][row["setting"]] = {"expected_accept_length": expected_accept_length(acc, depth),
+                                                      "depth": depth}
     if cfg.bench.offline_reference and not _weights_here(target_dir, cfg):
         logger().info("reference decoder: not run (the target's weights are not on this machine, or "
                       "target.engine is sglang: they are never loaded in transformers)")
@@ -319,9 +324,10 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     offline = offline_figures(ctx, rows, prompts, target_dir, draft_dir, cfg)
     requests = requests_sent(endpoint, target_dir if endpoint != "chat" else None, served)
     verdict = diagnose(cfg, rows, offline, served.to_dict(), data=ctx.upstream.get("generate_data"), requests=requests)
-    log_bench_report(ctx, cfg, rows, offline, verdict)
+    metrics = headline_metrics(rows, offline, verdict)
+    log_bench_report(ctx, cfg, rows, offline, verdict, metrics)
     summary = {"rows": [_without_ids(r) for r in rows], "offline": offline, "verdict": verdict, "requests": requests,
-               "metrics": headline_metrics(rows, offline, verdict), "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
+               "metrics": metrics, "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
     ctx.write_json("bench.json", summary)
     enforce_min_speedup(cfg, ctx, summary)
     return summary
@@ -392,14 +398,19 @@ def _without_ids(row: dict) -> dict:
 
 
 def headline_metrics(rows: list[dict], offline: dict, verdict: dict) -> dict[str, float]:
-    """Baseline and best tok/s, speedup, online/offline accept length: the numbers a reader wants first."""
+    """Baseline and best tok/s, speedup, online/offline accept length: the numbers a reader wants first, each of
+    the best setting and rounded as every table shows it. `accept_length_offline` is training's simulated accept
+    length at the best setting's depth (`accept_length_offline_depth`), the figure its online one is held to."""
     first = [r for r in rows if r["concurrency"] == rows[0]["concurrency"]]
     baseline = next((r for r in first if not r["speculative"]), None)
     best = verdict.get("best") or {}
-    metrics = {"baseline_tok_s": baseline["tok_s_median"] if baseline else None,
-               "best_tok_s": best.get("tok_s_median"), "speedup": best.get("speedup"),
-               "accept_length_online": best.get("accept_length"),
-               "accept_length_offline": offline.get("simulated_accept_length"),
+    at_depth = offline.get("per_setting", {}).get(best.get("setting"), {})
+    metrics = {"baseline_tok_s": rounded(baseline["tok_s_median"], "tok_s") if baseline else None,
+               "best_tok_s": rounded(best.get("tok_s_median"), "tok_s"),
+               "speedup": rounded(best.get("speedup"), "speedup"),
+               "accept_length_online": rounded(best.get("accept_length"), "accept_length"),
+               "accept_length_offline": rounded(at_depth.get("expected_accept_length"), "accept_length"),
+               "accept_length_offline_depth": at_depth.get("depth"),
                "alarms": float(len(verdict.get("causes", [])))}
     return {k: float(v) for k, v in metrics.items() if v is not None}
 

@@ -16,7 +16,8 @@ from the paths the deployed server reports). Each check looks at one kind of evi
   (and answers re-tokenized from text instead of the target's own ids);
 - draft-vocabulary coverage of what the target generated (the training record's coverage when
   the endpoint returns no token ids);
-- acceptance by draft position falling off faster than in training;
+- cumulative acceptance by draft position (verify steps accepting >= k drafts) well below training's
+  cumulative product of acc_k at the same position;
 - cost: a verify step costing more target steps than it yields tokens;
 - the client's figures disagreeing with the server's own.
 Faults (a rewrite nobody opted into, a server that runs other settings than checked, wrong
@@ -37,6 +38,7 @@ from typing import Any
 from eagle3.data.capture import sglang_layers_to_capture
 from eagle3.export import TRAINING_RECORD, describe_hf_indices
 from tasks.config import ExperimentConfig
+from tasks.report_bench import cumulative
 
 SPEC_FIELDS = ("num_steps", "eagle_topk", "num_draft_tokens")
 ALL_SETTINGS = "all settings"
@@ -127,17 +129,30 @@ def cause_server_report(row: dict, **_) -> dict | Missing | None:
 
 
 def cause_position_falloff(row: dict, acc: list[float], **_) -> dict | None:
+    """Online cumulative acceptance by draft position vs the same quantity from training, within the served depth.
+
+    Online, `accepted_by_position[k]` is the share of verify steps that accepted at least k + 1 drafts
+    (cumulative). Training's acc_k (0-based, as the training history names it) is conditional: position
+    k + 1 right given the earlier ones right. So the offline counterpart is prod_{j<=k} acc_j, which is
+    what the benchmark plot draws (`tasks.report_bench.cumulative`). Example: acc [0.9, 0.8, 0.5] ->
+    offline [0.9, 0.72, 0.36]; online [0.85, 0.65, 0.28] is no fall-off (0.28 of 0.36), though 0.28 is
+    below 0.6 x the conditional 0.5.
+    """
     depth = row["effective"].get("num_steps") or 0
     online = (row.get("accepted_by_position") or [])[:depth]  # positions past the served depth never draft
-    if not online or not acc:
+    offline = cumulative(acc[:depth])
+    if not online or not offline:
         return None
-    gaps = [(k, on, acc[k]) for k, on in enumerate(online) if k < len(acc) and acc[k] and on < 0.6 * acc[k]]
+    gaps = [(k, on, off) for k, (on, off) in enumerate(zip(online, offline)) if off and on < 0.6 * off]
     if not gaps:
         return None
     k, on, off = gaps[0]
     return {"cause": "position_falloff", "score": 0.5, "kind": "explanation",
-            "summary": f"acceptance falls off from draft position {k + 1}: {on:.2f} online vs {off:.2f} in training",
-            "evidence": {"online_by_position": online, "training_acc": acc[:len(online)]}}
+            "summary": f"acceptance falls off from draft position {k + 1}: {on:.2f} of verify steps accept >= {k + 1} "
+                       f"drafts online vs {off:.2f} expected from training (the product of its "
+                       f"{'acc_0' if k == 0 else f'acc_0..acc_{k}'})",
+            "evidence": {"online_cumulative_by_position": online, "training_cumulative_by_position": offline,
+                         "training_acc": acc[:depth]}}
 
 
 def cause_cost(row: dict, baseline: dict | None, **_) -> dict | None:

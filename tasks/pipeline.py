@@ -138,7 +138,7 @@ STAGE_SPECS: dict[str, StageSpec] = {
                                        "runs_root"),
                                needs=("deploy_server",), uses=("generate_data", "train_draft", "export_checkpoint"),
                                always_run=True),
-    "report": StageSpec(config=("experiment",),
+    "report": StageSpec(config=("experiment",), operational=("description",),  # the MLflow run's description
                         uses=("generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"),
                         always_run=True),
 }

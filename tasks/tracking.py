@@ -6,8 +6,14 @@ flow, and a stage's child run must not depend on which thread logs to it.
 
 Default store: `sqlite:///<runs_root>/mlflow.db` with artifacts in `<runs_root>/mlartifacts`
 (the experiment is created with that artifact location). An `http://` URI works the same.
-Experiments are tagged `mlflow.experimentKind = custom_model_development`, so MLflow's UI opens
-them on the training-runs table, not on the GenAI traces overview.
+MLflow 3.17's UI does not open an experiment by its `mlflow.experimentKind` tag: it decides GenAI vs
+model training by a `workflowType` query parameter, else the browser's localStorage
+(`mlflow.workflowType`, default `genai`: a fresh browser lands on the traces overview). So every
+link eagleops prints (`experiment_runs_url`, `run_url`) carries `workflowType=machine_learning`
+and opens the runs table, and the experiment carries what that table and its charts read: a
+shared view (`mlflow.sharedViewState.<key>`, opened by the link's `viewStateShareKey`) whose
+columns are the headline metrics, and `mlflow.experiment.primaryMetric.name` (the chart view's
+first chart). The kind tag is still set for MLflow versions and tools that read it.
 
 Outage: a run never fails because the tracking server is down. A `RunLogger` given a journal
 (`<run_dir>/mlflow-journal.jsonl`, see `tasks.mlflow_journal`) writes through to the server
@@ -80,6 +86,18 @@ PROBE_TIMEOUT_S = 3.0
 # (enum CUSTOM_MODEL_DEVELOPMENT, tag key "mlflow.experimentKind", set by its experiment-kind selector).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# What MLflow 3.17.2's UI keys on (its JS bundle, server/js/build/static/js): the `workflowType` query parameter
+# (genai | machine_learning; without it the browser's localStorage `mlflow.workflowType`, default genai), a shared
+# runs-table view read from the experiment tag `mlflow.sharedViewState.<key>` when the URL has
+# `viewStateShareKey=<key>` (plain JSON of search facets + UI state: selectedColumns, compareRunCharts ...), and the
+# experiment tag `mlflow.experiment.primaryMetric.name`, the chart view's first chart.
+WORKFLOW_TYPE = "machine_learning"
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
+RUNS_VIEW_KEY = "eagleops-headline"
+PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
+# The parent run's headline metrics, as the runs table, its charts and `eagleops runs` show them.
+HEADLINE_METRICS = ("run_benchmark.best_tok_s", "run_benchmark.speedup", "run_benchmark.accept_length_online",
+                    "run_benchmark.accept_length_offline", "run_benchmark.baseline_tok_s")
 # The run tag MlflowClient.log_table keeps its tables in (mlflow.utils.mlflow_tags.MLFLOW_LOGGED_ARTIFACTS).
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
 
@@ -101,16 +119,100 @@ def tracking_uri_for(cfg: ExperimentConfig) -> str:
 
 
 def ensure_experiment(client: MlflowClient, name: str, runs_root: str | Path, local_store: bool) -> str:
-    """Experiment id for `name`, created (artifacts beside a local store) or restored, marked as model training."""
+    """Experiment id for `name`, created (artifacts beside a local store) or restored, marked as model training,
+    with the runs-table view eagleops' links open (`experiment_view_tags`)."""
     found = client.get_experiment_by_name(name)
     if found is None:
         location = (Path(runs_root).resolve() / "mlartifacts").as_uri() if local_store else None
-        return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        return client.create_experiment(name, artifact_location=location,
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, **experiment_view_tags()})
     if found.lifecycle_stage == "deleted":
         client.restore_experiment(found.experiment_id)
     if EXPERIMENT_KIND_TAG not in found.tags:  # an experiment made before this tag existed; a user's choice stays
         client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    for key, value in experiment_view_tags().items():  # this version's view (a user's primary metric stays)
+        if found.tags.get(key) != value and not (key == PRIMARY_METRIC_TAG and key in found.tags):
+            client.set_experiment_tag(found.experiment_id, key, value)
     return found.experiment_id
+
+
+def runs_view_state() -> dict[str, Any]:
+    """The shared runs-table view: headline metrics and the speculative setting as columns (then MLflow's
+    defaults), newest first, and the chart view opening on tok/s, speedup and the accept lengths."""
+    columns = [f"metrics.`{m}`" for m in HEADLINE_METRICS] + ["tags.`eagleops.best_setting`"]
+    charts = [{"uuid": f"eagleops-{m}", "type": "BAR", "runsCountToCompare": 10, "metricSectionId": "eagleops-headline",
+               "deleted": False, "isGenerated": False, "metricKey": m, "displayName": m} for m in HEADLINE_METRICS]
+    return {"selectedColumns": columns, "columnOrder": columns, "orderByKey": "attributes.start_time", "orderByAsc": False,
+            "compareRunCharts": charts,
+            "compareRunSections": [{"uuid": "eagleops-headline", "name": "eagleops headline", "display": True,
+                                    "isReordered": False}],
+            "isAccordionReordered": False, "hideEmptyCharts": True}
+
+
+def experiment_view_tags() -> dict[str, str]:
+    return {SHARED_VIEW_TAG_PREFIX + RUNS_VIEW_KEY: json.dumps(runs_view_state(), separators=(",", ":")),
+            PRIMARY_METRIC_TAG: HEADLINE_METRICS[0]}
+
+
+def mlflow_ui_base(tracking_uri: str) -> str | None:
+    """The UI's address for an http(s) tracking server (credentials left out), None for a local store."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    parts = urlsplit(tracking_uri)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    netloc += f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+def experiment_runs_url(base: str, experiment_id: str) -> str:
+    """The experiment's runs table with the headline columns, in model-training mode in any browser."""
+    return (f"{base}/#/experiments/{experiment_id}/runs?workflowType={WORKFLOW_TYPE}"
+            f"&viewStateShareKey={RUNS_VIEW_KEY}")
+
+
+def run_url(base: str, experiment_id: str, run_id: str) -> str:
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType={WORKFLOW_TYPE}"
+
+
+# Set by `eagleops run` while it runs the flow against its own temporary Prefect server: no UI outlives the run.
+NO_PREFECT_UI_ENV = "EAGLEOPS_NO_PREFECT_UI"
+
+
+def prefect_flow_run_url(flow_run_id: str, timeout_s: float = 2.0) -> str | None:
+    """The Prefect UI page of a flow run, when a UI serves it: PREFECT_UI_URL as set by the user, else the one
+    Prefect derives from PREFECT_API_URL if that server answers `/ui-settings` (a server started without its UI,
+    such as `eagleops run`'s temporary one, does not). None otherwise."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    if os.environ.get(NO_PREFECT_UI_ENV):  # a server that dies with this process (`eagleops run`'s temporary one)
+        return None
+    ui = (os.environ.get("PREFECT_UI_URL") or "").rstrip("/")
+    if not ui and PREFECT_API_URL.value():
+        derived = (PREFECT_UI_URL.value() or "").rstrip("/")
+        try:
+            answered = requests.get(f"{derived}/ui-settings", timeout=timeout_s, allow_redirects=False)
+            mounted = answered.status_code == 200 and any(answered.json().get(k) for k in ("v1_base_url", "v2_base_url"))
+        except (requests.RequestException, ValueError, AttributeError):
+            return None
+        ui = derived if mounted else ""
+    return f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id and flow_run_id != "unknown" else None
+
+
+def local_ui_hint(tracking_uri: str, port: int = 5000) -> str:
+    """How to open a local store's UI: the command, then the address it serves."""
+    return f"mlflow ui --backend-store-uri {redact(tracking_uri)} --host 127.0.0.1 --port {port}"
+
+
+def run_links(tracking_uri: str, run_id: str) -> dict[str, str]:
+    """{experiment, run} UI addresses of a run (under `mlflow ui`'s default address for a local store, with the
+    command that serves it as `serve`); {} when the store does not know the run."""
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    base = mlflow_ui_base(tracking_uri)
+    links = {} if base else {"serve": local_ui_hint(tracking_uri)}
+    base = base or "http://127.0.0.1:5000"
+    return {**links, "experiment": experiment_runs_url(base, experiment_id), "run": run_url(base, experiment_id, run_id)}
 
 
 def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
@@ -712,7 +814,9 @@ def recent_runs(tracking_uri: str, experiment: str | None, limit: int) -> list[d
     client = MlflowClient(tracking_uri)
     if experiment:
         found = client.get_experiment_by_name(experiment)
-        experiments = [found] if found else []
+        if found is None:
+            raise LookupError(f"no MLflow experiment named {experiment!r}")
+        experiments = [found]
     else:
         experiments = client.search_experiments()
     ids = [e.experiment_id for e in experiments]
@@ -734,6 +838,8 @@ def _run_row(run: Any, names: dict[str, str]) -> dict[str, Any]:
         "status": run.info.status,
         "start_time": run.info.start_time,
         "config_hash": run.data.tags.get("eagleops.config_hash", ""),
+        # the setting the headline figures are of (the benchmark's best), else the one the config asks for
+        "setting": run.data.tags.get("eagleops.best_setting") or run.data.tags.get("eagleops.speculative", "-"),
         "stages": run.data.tags.get("eagleops.stages", ""),
         "metrics": {k: metrics[k] for k in sorted(metrics)},
     }

@@ -201,3 +201,26 @@ def test_runs_lists_the_experiment_run(first_run, runs_root):
     assert all(r["experiment"] == "envflow" for r in rows)
     table = CliRunner().invoke(app, ["runs", "--tracking-uri", uri], env={"COLUMNS": "250"})
     assert table.exit_code == 0 and "envflow" in table.output
+
+
+def test_the_flow_run_is_named_after_the_experiment_and_setting_and_links_to_its_mlflow_run(first_run, runs_root):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    _, result = first_run
+    parent = mlflow_client(runs_root).get_run(result["mlflow_run_id"])
+    flow_run_id = parent.data.tags["prefect.flow_run_id"]
+
+    async def read():
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(flow_run_id)
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["envflow-mlflow-run"])))
+            return flow_run, [a for a in artifacts if str(a.flow_run_id) == flow_run_id]
+
+    flow_run, artifacts = asyncio.run(read())
+    assert flow_run.name == "envflow auto/auto/auto"  # the config asks for no speculative setting: SGLang's choice
+    # a local store: the artifact says how to serve it and links the run in model-training mode
+    assert artifacts and parent.info.run_id in artifacts[0].data
+    assert "mlflow ui --backend-store-uri" in artifacts[0].data and "workflowType=machine_learning" in artifacts[0].data
+    assert f"Run folder: {result['run_dir']}" in parent.data.tags["mlflow.note.content"]

@@ -133,13 +133,32 @@ def test_cost_says_when_a_verify_step_cannot_pay():
     assert cause_cost(row=row(accept=3.0, verify_s=0.016), baseline=BASELINE) is None  # 1.5x possible
 
 
-def test_position_falloff_compares_online_acceptance_with_training_within_the_served_depth():
+def test_position_falloff_compares_cumulative_online_acceptance_with_the_product_of_training_acc_k():
+    # Online accepted_by_position is cumulative (share of verify steps accepting >= k drafts); training's
+    # acc_k is conditional. Its cumulative form, by hand: 0.9, 0.9 * 0.8 = 0.72, 0.9 * 0.8 * 0.5 = 0.36.
     found = cause_position_falloff(row=row(by_position=[0.85, 0.2, 0.1]), acc=ACC)
-    assert found["summary"] == "acceptance falls off from draft position 2: 0.20 online vs 0.80 in training"
+    assert found["summary"] == ("acceptance falls off from draft position 2: 0.20 of verify steps accept >= 2 drafts "
+                                "online vs 0.72 expected from training (the product of its acc_0..acc_1)")
+    assert found["evidence"]["training_cumulative_by_position"] == pytest.approx([0.9, 0.72, 0.36])
+    assert found["evidence"]["online_cumulative_by_position"] == [0.85, 0.2, 0.1]
+    first = cause_position_falloff(row=row(by_position=[0.5, 0.4, 0.3]), acc=ACC)  # 0.5 < 0.6 x 0.9 = 0.54
+    assert first["summary"] == ("acceptance falls off from draft position 1: 0.50 of verify steps accept >= 1 drafts "
+                                "online vs 0.90 expected from training (the product of its acc_0)")
     assert cause_position_falloff(row=row(by_position=[0.85, 0.75, 0.45]), acc=ACC) is None
+
+
+def test_position_falloff_raises_no_false_alarm_from_comparing_with_conditional_acc_k():
+    # Position 3: 0.28 online is 0.78 of the cumulative 0.36 (healthy), though below 0.6 x the conditional
+    # acc 0.5 = 0.30, which is what comparing unlike quantities flagged.
+    assert cause_position_falloff(row=row(by_position=[0.85, 0.65, 0.28]), acc=ACC) is None
+
+
+def test_position_falloff_looks_only_within_the_served_and_the_trained_depth():
     # A depth-2 server has no third position, whatever its histogram's length says.
     depth_two = {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}
     assert cause_position_falloff(row=row(effective=depth_two, by_position=[0.85, 0.75, 0.0]), acc=ACC) is None
+    # A draft trained 1 step deep has nothing to compare past position 1.
+    assert cause_position_falloff(row=row(by_position=[0.85, 0.1, 0.0]), acc=[0.9]) is None
 
 
 # ------------------------------------------------------------------ the whole diagnosis, on real files
