@@ -47,6 +47,7 @@ from tasks.noise import relative_gain
 from tasks.pipeline import StageContext, logger
 from tasks.registry import DOWNLOAD_MARKER, GATE_TAG, lineage_tags, recorded_decision
 from tasks.rundir import RunDirectory, write_json_atomic
+from tasks.secrets import redact
 from tasks.tracking import RunLogger, start_child_run
 
 GATE_STAGE = "nightly_gate"
@@ -411,11 +412,11 @@ def _log_gate(ctx: StageContext, gate: dict[str, Any]) -> None:
 
 def report_gate(cfg: ExperimentConfig, experiment: dict[str, Any], gate: dict[str, Any], outcome: dict[str, Any]) -> str:
     """The decision and the side-by-side figures as a Prefect markdown artifact (and in the manifest)."""
-    markdown = gate_markdown(gate, outcome)
+    markdown = redact(gate_markdown(gate, outcome))
     write_json_atomic(Path(experiment["run_dir"]) / GATE_STAGE / "outcome.json", outcome)
     RunDirectory.open(experiment["run_dir"]).update(nightly={**outcome, "bench_run_id": gate["bench_run_id"]})
     key = "".join(c if c.isalnum() else "-" for c in cfg.experiment.lower()) + "-nightly-gate"
-    create_markdown_artifact(markdown, key=key, description=f"eagleops nightly gate: {outcome['reason'][:200]}")
+    create_markdown_artifact(markdown, key=key, description=redact(f"eagleops nightly gate: {outcome['reason']}")[:200])
     return markdown
 
 

@@ -20,7 +20,7 @@ from eagle3.draft.losses import compute_teacher, soft_cross_entropy, soft_cross_
 from eagle3.draft.masks import build_ttt_attention_mask
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, repeat_kv
 from eagle3.training.checkpoints import find_latest_checkpoint, load_draft_checkpoint, write_checkpoint
-from eagle3.training.curves import plot_training_curves
+from eagle3.training.curves import build_training_figure, plot_training_curves
 from eagle3.training.schedule import DataPlan, build_lr_lambda
 from eagle3.training.trainer import Trainer
 from eagle3.training.ttt import Eagle3TTTModule, metrics_from_stats, simulated_accept_length
@@ -251,6 +251,27 @@ def test_trainer_learns_reports_and_checkpoints(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_training_curves_are_titled_and_every_axis_names_its_unit():
+    history = [{"step": 1, "train/loss": 9.0, "train/acc_0": 0.2, "train/acc_1": 0.1},
+               {"step": 2, "train/loss": 7.5, "train/acc_0": 0.4, "train/acc_1": 0.2, "val/loss": 7.9,
+                "val/acc_0": 0.35, "val/acc_1": 0.15, "val/simulated_accept_length": 1.4025}]
+    figure = build_training_figure(history)
+    axes = figure.axes
+    assert [ax.get_title() for ax in axes] == [
+        "Training loss (soft cross-entropy, sum over TTT steps x decay^k)",
+        "acc_k per TTT position (draft top-1 = target top-1)",
+        "Simulated accept length (1 + sum_k prod_{j<=k} acc_j)"]
+    assert [ax.get_ylabel() for ax in axes] == ["loss (nats per token, summed over steps)",
+                                                "acc_k (share of loss-masked positions, 0-1)",
+                                                "tokens per verify step"]
+    assert {ax.get_xlabel() for ax in axes} == {"optimizer step (count)"}
+    assert [line.get_label() for line in axes[1].lines] == ["train acc_0", "train acc_1", "val acc_0", "val acc_1"]
+    assert [list(line.get_ydata()) for line in axes[2].lines] == [[1.4025]]  # 1 + 0.35 + 0.35 * 0.15
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+
+
 def test_resume_refuses_a_different_config(tmp_path):
     trainer, _ = _trainer(tmp_path, max_steps=3)
     first = trainer.train()
@@ -457,6 +478,33 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, strategy
     for step, ((loss_1, norm_1), (loss_2, norm_2)) in enumerate(zip(single, two_ranks), start=1):
         assert loss_2 == pytest.approx(loss_1, rel=1e-5), step
         assert norm_2 == pytest.approx(norm_1, rel=1e-5), step
+
+
+def test_ttt_module_fused_layer_weights_equal_the_layer_on_its_own_parameters():
+    """The training path's fused GEMMs (q/k/v and gate/up as one weight each, every weight's gradient
+    summed over the TTT unroll inside its backward GEMMs, eagle3/draft/fused_layer.py) give the loss
+    and the gradient of every parameter that the layer run on its own parameters gives (autograd
+    summing the steps' weight gradients), in fp64 so any dropped or doubled step shows."""
+    embed, lm_head, mapping = make_world()
+    from eagle3.training.schedule import default_collate_fn
+
+    batch = {k: v.double() if v.is_floating_point() else v
+             for k, v in default_collate_fn(make_items(4, 3, embed, t_max=24)).items()}
+    results = []
+    for fused in (True, False):
+        draft = make_draft(embed, mapping).double()
+        if not fused:
+            draft.fused_layer_weights = lambda dtype: None  # ttt_step then uses the parameters themselves
+        module = Eagle3TTTModule(draft, train_config(ttt_steps=4))
+        p, ids, in_vocab = compute_teacher(batch["last_hidden_states"], lm_head.double(), draft.t2d)
+        loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(), p, ids, in_vocab)
+        loss.backward()
+        results.append((loss.item(), {n: q.grad for n, q in draft.named_parameters() if q.requires_grad}))
+    (loss_f, grads_f), (loss_p, grads_p) = results
+    assert loss_f == pytest.approx(loss_p, rel=1e-12)
+    assert grads_f.keys() == grads_p.keys() and "midlayer.self_attn.k_proj.weight" in grads_f
+    for name in grads_p:
+        torch.testing.assert_close(grads_f[name], grads_p[name], rtol=1e-9, atol=1e-12, msg=name)
 
 
 @pytest.mark.gpu
