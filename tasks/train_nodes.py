@@ -40,6 +40,7 @@ from eagle3.training.schedule import DataPlan
 from eagle3.training.torchrun import NODE_STATUS
 from eagle3.training.train import relay_history_rows
 from tasks.config import ExperimentConfig
+from tasks.host_job import new_log_lines
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
 
@@ -321,15 +322,11 @@ def _check_stalled(nodes: list[Node], running: set[int], last_output: dict[int, 
 
 def _relay_log(node: Node) -> bool:
     """New complete lines of the node's log into the run log; whether there were any."""
-    offset = node.log_offset
-    with contextlib.suppress(CommandFailed):
-        text = node.executor.run(["tail", "-c", f"+{node.log_offset + 1}", node.log_file], check=True,
-                                 log_output=False, timeout=60).stdout
-        complete = text[:text.rfind("\n") + 1]
-        for line in complete.splitlines():
-            logger().info("[%s] %s", node.label(), line)
-        node.log_offset += len(complete.encode())
-    return node.log_offset != offset
+    lines, offset = new_log_lines(node.executor, node.log_file, node.log_offset)
+    for line in lines:
+        logger().info("[%s] %s", node.label(), line)
+    grew, node.log_offset = offset != node.log_offset, offset
+    return grew
 
 
 def _node_status(node: Node) -> dict | None:

@@ -173,7 +173,7 @@ class Trainer:
 
         The full (unsharded) weights and their gradients are the memory FSDP cannot shard: they
         live from forward to backward. The layer computes in bf16 anyway (autocast,
-        `cast_layer_weights`), so gathering bf16 halves them; master weights, gradient reduction
+        `fused_layer_weights`), so gathering bf16 halves them; master weights, gradient reduction
         and optimizer state stay fp32. fp32 training keeps FSDP's defaults (exactly DDP's math).
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy
