@@ -483,7 +483,9 @@ def check_answer(mutation: Mutation, result, wall: float, peak: int) -> None:
     assert result.exit_code == 2, (mutation.name, output[-3000:])
     assert "Traceback" not in output and (result.exception is None or isinstance(result.exception, SystemExit)), (
         mutation.name, result.exception)
-    assert wall < 1.0, (mutation.name, f"{wall:.2f}s")
+    # a hang guard (a bad file must not make validate wait on it), not a speed figure: CI's 2 loaded cores
+    # took 1.04 s for an ordinary case
+    assert wall < 10.0, (mutation.name, f"{wall:.2f}s")
     assert peak < 64 * 2**20, (mutation.name, f"{peak / 2**20:.0f} MiB peak")
     errors = [line for line in output.splitlines() if line.startswith("error ")]
     assert errors, (mutation.name, output[-2000:])
