@@ -96,6 +96,38 @@ class TargetShape(StrictModel):
     max_position_embeddings: int = Field(..., ge=1, le=10_000_000, description="Target context length.")
 
 
+DEVICE_PATTERN = r"^(cpu|cuda:\d{1,3})$"
+
+
+class PlacementConfig(StrictModel):
+    """Where `target.engine: hf` puts the target's layers: in order over these devices, each up to its share."""
+
+    devices: list[Annotated[str, Field(pattern=DEVICE_PATTERN)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        description="Devices that hold the target's layers, in order, e.g. [cuda:0, cuda:1] or [cuda:0, cpu] "
+        "(layers past the GPU's share kept in RAM); None = every visible GPU, or the CPU without one. Layers fill "
+        "the first device up to its share, then the next, so a target that fits one GPU stays on one "
+        "(eagle3/data/placement.py).",
+    )
+    memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="Share of each device's memory (a GPU's total, the CPU's available RAM) the target's weights "
+        "may take; the rest is for activations -- and with data.hidden_states: stream, for the training ranks that "
+        "share the GPUs.",
+    )
+
+    @model_validator(mode="after")
+    def _devices_once(self) -> PlacementConfig:
+        repeated = sorted({d for d in self.devices or [] if (self.devices or []).count(d) > 1})
+        if repeated:
+            raise ValueError(f"target.placement.devices {self.devices}: {repeated} listed twice")
+        return self
+
+
 class TargetConfig(StrictModel):
     """The model being accelerated."""
 
@@ -120,13 +152,18 @@ class TargetConfig(StrictModel):
     )
     engine: Literal["hf", "sglang"] = Field(
         "hf",
-        description="What computes the target's hidden states for the offline dump: `hf` = transformers in the "
-        "data stage's process (one device); `sglang` = SGLang's own model runner, in-process on the data host with "
-        "data.capture.tp ranks -- the engine that serves the target, its layer rule and kernels; the weights are "
-        "never loaded in transformers (Kimi-K2.5 int4 and any target past one GPU).",
+        description="What computes the target's hidden states: `hf` = transformers in the capturing process, its "
+        "layers placed over target.placement's devices; `sglang` = SGLang's own model runner, in-process on the "
+        "data host with data.capture.tp ranks -- the engine that serves the target, its layer rule and kernels; the "
+        "weights are never loaded in transformers (Kimi-K2.5 int4 and targets past one host's GPU memory in bf16).",
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig,
+        description="target.engine hf: the devices the target's layers are placed over (capture, online features).",
     )
     trust_remote_code: bool = Field(
-        False, description="Allow the target's own modelling/tokenizer code (SGLang --trust-remote-code; transformers)."
+        False, description="Allow the target's own modelling/tokenizer code (SGLang --trust-remote-code; transformers' "
+        "trust_remote_code for its model, config and tokenizer)."
     )
 
     @model_validator(mode="after")
@@ -238,6 +275,20 @@ class CaptureEngineConfig(StrictModel):
     )
 
 
+class StreamConfig(StrictModel):
+    """`data.hidden_states: stream`: the train split's hidden states captured while training runs."""
+
+    disk_budget_gb: float = Field(
+        ...,
+        gt=0,
+        le=1_000_000,
+        description="Most GB (1e9 bytes) the streamed train shards take on data.host's disk at once -- those "
+        "written and not yet deleted plus the one being written. The capture side runs ahead of training until "
+        "the budget is full; consumed shards are deleted. Must hold at least two shards (data.shard_size x "
+        "data.max_length x bytes per token); the validation split is captured once by the data stage, apart.",
+    )
+
+
 class DataConfig(StrictModel):
     """Prompts, regeneration, tokenization and hidden-state storage."""
 
@@ -256,9 +307,14 @@ class DataConfig(StrictModel):
     max_length: int = Field(256, ge=16, le=1_048_576, description="Tokens per sample after the chat template.")
     validation_fraction: float = Field(0.1, ge=0, lt=1, description="Share of samples held out for validation.")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="Response regeneration.")
-    hidden_states: Literal["offline", "online"] = Field(
-        "offline", description="`offline`: dump to sharded safetensors; `online`: computed inside training."
+    hidden_states: Literal["offline", "online", "stream"] = Field(
+        "offline",
+        description="`offline`: the data stage dumps every sample's states to shards, read by training; `online`: "
+        "computed inside one training process; `stream`: captured on data.host while training runs, at most "
+        "data.stream.disk_budget_gb ahead of it, consumed shards deleted, each epoch captured again "
+        "(eagle3/training/streaming) -- for datasets larger than the host's disk.",
     )
+    stream: StreamConfig | None = Field(None, description="The disk budget of data.hidden_states: stream.")
     shard_size: int = Field(
         256,
         ge=1,
@@ -282,6 +338,15 @@ class DataConfig(StrictModel):
     capture: CaptureEngineConfig = Field(
         default_factory=CaptureEngineConfig, description="SGLang's capture runner (target.engine: sglang)."
     )
+
+    @model_validator(mode="after")
+    def _stream_budget(self) -> DataConfig:
+        if self.hidden_states == "stream" and self.stream is None:
+            raise ValueError("data.stream.disk_budget_gb is required with data.hidden_states: stream")
+        if self.hidden_states != "stream" and self.stream is not None:
+            raise ValueError(f"data.stream is set but data.hidden_states is {self.hidden_states!r}; set "
+                             "data.hidden_states: stream or drop data.stream")
+        return self
 
 
 # --------------------------------------------------------------------------- train

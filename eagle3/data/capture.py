@@ -198,13 +198,18 @@ def num_layers_of(model: nn.Module) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of decoder layers (`model.layers` for Llama; first `*layers` of length L)."""
+def decoder_layers_path(model: nn.Module) -> str:
+    """Dotted name of the decoder layers' ModuleList (`model.layers` for Llama; the first `*layers` of length L)."""
     count = num_layers_of(model)
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and name.endswith("layers") and len(module) == count:
-            return module
+            return name
     raise ValueError(f"{type(model).__name__}: no ModuleList '*layers' with {count} decoder layers found")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers (see decoder_layers_path)."""
+    return model.get_submodule(decoder_layers_path(model))
 
 
 def _record_input(store: dict, index: int, module, args, kwargs) -> None:
@@ -253,8 +258,10 @@ def capture_hidden_states(
     finally:
         for handle in handles:
             handle.remove()
-    aux = torch.cat([store[j] for j in indices], dim=-1)  # k x [B, T, H] -> [B, T, k*H]
-    return aux, out.last_hidden_state
+    last = out.last_hidden_state
+    # a target placed over several devices (eagle3.data.placement) records each layer where it runs
+    aux = torch.cat([store[j].to(last.device) for j in indices], dim=-1)  # k x [B, T, H] -> [B, T, k*H]
+    return aux, last
 
 
 def _right_pad(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,8 +304,9 @@ class TargetFeatureExtractor:
     """Target features for online training: `(input_ids, attention_mask) -> (aux, last)`.
 
     Built from a target dir (loaded with eagle3.data.target.load_target) or an already
-    loaded model (`from_model`). Attributes: `architecture`, `num_hidden_layers`,
-    `hidden_size`, `aux_layer_ids` (resolved SGLang ids), `hf_indices`, `model`.
+    loaded model (`from_model`), possibly placed over several devices (eagle3.data.placement:
+    its `device_map` is recorded). Attributes: `architecture`, `num_hidden_layers`,
+    `hidden_size`, `aux_layer_ids` (resolved SGLang ids), `hf_indices`, `model`, `device_map`.
     """
 
     def __init__(
@@ -307,19 +315,21 @@ class TargetFeatureExtractor:
         from eagle3.data.target import load_target
 
         model, _ = load_target(target_dir, dtype=dtype, device=device)
-        self._setup(model, aux_layer_ids)
+        self._setup(model, aux_layer_ids, None)
 
     @classmethod
-    def from_model(cls, model: nn.Module, aux_layer_ids: list[int] | None = None) -> TargetFeatureExtractor:
-        """Wrap a loaded model (no second copy in memory)."""
+    def from_model(cls, model: nn.Module, aux_layer_ids: list[int] | None = None,
+                   device_map: dict[str, str] | None = None) -> TargetFeatureExtractor:
+        """Wrap a loaded model (no second copy in memory); `device_map` as eagle3.data.placement placed it."""
         self = cls.__new__(cls)
-        self._setup(model, aux_layer_ids)
+        self._setup(model, aux_layer_ids, device_map)
         return self
 
-    def _setup(self, model: nn.Module, aux_layer_ids: list[int] | None) -> None:
+    def _setup(self, model: nn.Module, aux_layer_ids: list[int] | None, device_map: dict[str, str] | None) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model.eval()
+        self.device_map = device_map
         self.architecture = architecture_of(model)
         self.num_hidden_layers = num_layers_of(model)
         self.hidden_size = model.config.get_text_config().hidden_size
@@ -329,15 +339,18 @@ class TargetFeatureExtractor:
             if aux_layer_ids is not None
             else default_aux_layer_ids(self.architecture, self.num_hidden_layers)
         )
+        self._input_device = model.get_input_embeddings().weight.device
+        self._output_device = next(decoder_layers(model)[-1].parameters()).device
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the captured states land: the last decoder layer's device (the only one of an unsplit target)."""
+        return self._output_device
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] ids and mask (right-padded) -> aux [B, T, k*H], last [B, T, H] on the target device."""
         return capture_hidden_states(
-            self.model, input_ids.to(self.device), attention_mask.to(self.device), self.aux_layer_ids
+            self.model, input_ids.to(self._input_device), attention_mask.to(self._input_device), self.aux_layer_ids
         )
 
     def capture_rows(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,4 +369,5 @@ class TargetFeatureExtractor:
         """Which engine captured, for the shard manifest: transformers, its version, the indices hooked."""
         import transformers
 
-        return {"name": "transformers", "version": transformers.__version__, "capture_indices": list(self.hf_indices)}
+        record = {"name": "transformers", "version": transformers.__version__, "capture_indices": list(self.hf_indices)}
+        return record | ({"device_map": self.device_map} if self.device_map else {})

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from eagle3.data.samples import SAMPLES_FILE, read_samples
-from eagle3.data.shards import MANIFEST, _manifest_dir
+from eagle3.data.shards import MANIFEST, SPLITS, _manifest_dir
 from eagle3.data.state_codec import FP8, SCALES_KEY, STATE_DTYPES, check_shard_dtypes, decode_aux
 
 
@@ -42,6 +42,10 @@ class HiddenStateDataset(Dataset):
         self.manifest = json.loads((self.directory / MANIFEST).read_text())
         if not self.manifest.get("complete"):
             raise ValueError(f"{self.directory / MANIFEST} is incomplete; rerun generate_dataset to resume the dump")
+        if split not in self.manifest.get("splits", SPLITS):
+            raise ValueError(f"{self.directory / MANIFEST}: the {split} split has no shards here (splits "
+                             f"{self.manifest['splits']}): data.hidden_states: stream captures it while training runs "
+                             "(eagle3.training.streaming.dataset.StreamedDataset)")
         self.split, self.dtype = split, self.manifest.get("dtype", "bfloat16")
         if self.dtype not in STATE_DTYPES:
             raise ValueError(f"{self.directory / MANIFEST}: dtype: expected one of {sorted(STATE_DTYPES)}, "

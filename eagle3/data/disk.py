@@ -23,6 +23,12 @@ def _dump_bytes(num_tokens: int, num_samples: int, hidden_size: int, num_aux: in
     return states + 9 * num_tokens + 16 * num_samples
 
 
+def max_shard_bytes(data_cfg, hidden_size: int, num_aux: int) -> int:
+    """The largest shard `data_cfg` can make: data.shard_size samples of data.max_length tokens."""
+    samples = data_cfg.shard_size
+    return _dump_bytes(samples * data_cfg.max_length, samples, hidden_size, num_aux, data_cfg.hidden_states_dtype)
+
+
 def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
     """Raise InsufficientDiskSpaceError unless need (+5% and 100 MiB headroom) fits in free space."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -34,8 +40,9 @@ def check_disk_space(directory: Path, need: int, log: LogFn) -> None:
     )
     if required > free:
         raise InsufficientDiskSpaceError(
-            f"offline hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
+            f"hidden states need {need} bytes ({need / 1e9:.3f} GB; {required} with headroom) "
             f"but only {free} bytes ({free / 1e9:.3f} GB) are free at {directory}; free space there, use fewer "
-            "samples or shorter ones (data.num_samples, data.max_length, data.regenerate.max_new_tokens), or "
-            "data.hidden_states: online (one training process with the target loaded in transformers)"
+            "samples or shorter ones (data.num_samples, data.max_length, data.regenerate.max_new_tokens), "
+            "data.hidden_states: stream (captured while training runs, within data.stream.disk_budget_gb) or "
+            "online (one training process with the target loaded in transformers)"
         )

@@ -1,5 +1,5 @@
-"""What every module of the data wing shares: atomic text writes, file digests, and the
-progress and log callbacks its stages take.
+"""What every module of the data wing shares: atomic text writes, file digests, the progress and
+log callbacks its stages take, and the JSON event lines its commands print.
 
 Risk: a disk that fills mid-write. A failed write removes its temp file (the space it took is
 free again, nothing half-written stays) and its error names the file (`removed_on_failure`).
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,3 +46,9 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def emit_event(event: str, **fields) -> None:
+    """One JSON line on stdout: what an orchestrator watching this command relays (progress, log lines,
+    the outcome; tasks.host_job reads them)."""
+    print(json.dumps({"event": event, **fields}), flush=True)

@@ -23,10 +23,11 @@ import torch
 from transformers import AutoTokenizer
 
 from eagle3.config import DataConfig, RegenerateConfig, TargetConfig
-from eagle3.data.capture import TargetFeatureExtractor, aux_ids_to_hf_indices, default_aux_layer_ids
+from eagle3.data.capture import aux_ids_to_hf_indices, default_aux_layer_ids
 from eagle3.data.chat import Message, chat_template_sha256, turn_stop_ids
 from eagle3.data.dump import dump_hidden_states
-from eagle3.data.files import LogFn, ProgressFn, atomic_write_text, file_sha256
+from eagle3.data.engines import open_capture_engine
+from eagle3.data.files import LogFn, ProgressFn, atomic_write_text, emit_event, file_sha256
 from eagle3.data.prompts import load_conversations, prompt_part
 from eagle3.data.regeneration import (
     RegenerationLog,
@@ -45,9 +46,7 @@ from eagle3.data.samples import (
     write_samples,
 )
 from eagle3.data.server_pool import FailureLog
-from eagle3.data.sglang_engine import SGLangFeatureExtractor
-from eagle3.data.sglang_engine import settings_for as sglang_settings
-from eagle3.data.target import load_target
+from eagle3.data.target import load_engine_target
 from eagle3.data.tiny_target import cpu_threads, heldout_corpus
 from eagle3.draft.vocab import build_or_load_draft_vocab
 from eagle3.environment import hidden_state_bytes as estimate_hidden_state_bytes
@@ -195,6 +194,8 @@ def _dump_fingerprint(samples_sha: str, aux_ids: list[int], target_dir: Path, ta
     """What decides the shards' content: samples, layers, target, engine, dtype, shard size."""
     payload = [samples_sha, aux_ids, _target_identity(target_dir), data_cfg.hidden_states_dtype, data_cfg.shard_size,
                target_cfg.engine]
+    if data_cfg.hidden_states == "stream":  # the validation split only: never the shards of an offline dump
+        payload.append("stream")
     return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -241,10 +242,13 @@ def _log_disk_bound(facts: dict, data_cfg: DataConfig, log: LogFn) -> None:
     k, dtype = len(facts["hf_indices"]), data_cfg.hidden_states_dtype
     tokens = data_cfg.num_samples * data_cfg.max_length
     bound = estimate_hidden_state_bytes(tokens, facts["hidden_size"], k, dtype=dtype)
-    log(
-        f"hidden states: at most {bound / 1e9:.3f} GB = {data_cfg.num_samples} samples x {data_cfg.max_length} "
-        f"tokens x {bound // tokens} B ({k} aux + last state, H={facts['hidden_size']}, {dtype})"
-    )
+    total = (f"{bound / 1e9:.3f} GB = {data_cfg.num_samples} samples x {data_cfg.max_length} tokens x "
+             f"{bound // tokens} B ({k} aux + last state, H={facts['hidden_size']}, {dtype})")
+    if data_cfg.hidden_states == "stream":
+        log(f"hidden states: streamed within data.stream.disk_budget_gb = {data_cfg.stream.disk_budget_gb} GB (plus "
+            f"the validation split's shards), not the whole dataset's at most {total}; each epoch is captured again")
+    else:
+        log(f"hidden states: at most {total}")
 
 
 def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_info, out_dir: Path) -> dict:
@@ -303,7 +307,7 @@ def generate_dataset(
     progress = on_progress or _noop_progress
     out_dir.mkdir(parents=True, exist_ok=True)
     facts = _target_facts(target_dir, target_cfg, data_cfg)
-    if data_cfg.hidden_states == "offline":
+    if data_cfg.hidden_states != "online":
         _log_disk_bound(facts, data_cfg, log)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=target_cfg.trust_remote_code)
     stop_ids = turn_stop_ids(tokenizer, _generation_eos(target_dir))
@@ -315,37 +319,26 @@ def generate_dataset(
             raise ValueError("target.engine sglang: the target's weights are never loaded in transformers "
                              "(data.regenerate.backend local and data.hidden_states online need them)")
         if "model" not in loaded:
-            loaded["model"] = load_target(target_dir, target_cfg.dtype, device)[0]
-        return loaded["model"]
+            loaded["model"] = load_engine_target(target_dir, target_cfg)
+        return loaded["model"][0]
 
-    def open_extractor() -> contextlib.AbstractContextManager:  # the capture engine, for the offline dump only
-        if target_cfg.engine == "sglang":
-            return _sglang_extractor(target_dir, target_cfg, data_cfg)
-        return contextlib.nullcontext(TargetFeatureExtractor.from_model(load_model(), facts["aux_layer_ids"]))
+    def open_engine() -> contextlib.AbstractContextManager:  # the capture engine, for the shards only
+        return open_capture_engine(target_dir, target_cfg, data_cfg, facts["aux_layer_ids"], loaded.get("model"))
 
     # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
     with cpu_threads() if device == "cpu" else contextlib.nullcontext():
         samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
                                          open_endpoints)
         vocab_info, dump = _vocab_and_states(
-            samples, meta, facts, open_extractor, target_dir, target_cfg, data_cfg, out_dir, progress, log
+            samples, meta, facts, open_engine, target_dir, target_cfg, data_cfg, out_dir, progress, log
         )
     summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
     return summary | {"wall_s": time.perf_counter() - started}
 
 
-def _sglang_extractor(target_dir: Path, target_cfg: TargetConfig, data_cfg: DataConfig) -> SGLangFeatureExtractor:
-    """SGLang's runner on this machine's GPUs (or its CPU engine), for the target's capture."""
-    capture = data_cfg.capture
-    return SGLangFeatureExtractor(sglang_settings(
-        target_dir, target_cfg.aux_layer_ids, tp=capture.tp, dtype=target_cfg.dtype,
-        max_batch_tokens=capture.max_batch_tokens, trust_remote_code=target_cfg.trust_remote_code,
-        extra_args=capture.extra_args, mem_fraction_static=capture.mem_fraction_static,
-    ))
-
-
-def _vocab_and_states(samples, meta, facts, open_extractor, target_dir, target_cfg, data_cfg, out_dir, progress, log):
-    """Draft vocab from the train split, then the offline dump (None when online)."""
+def _vocab_and_states(samples, meta, facts, open_engine, target_dir, target_cfg, data_cfg, out_dir, progress, log):
+    """Draft vocab from the train split, then the shards: every split (offline), the validation split (stream:
+    training's side captures the train split while it runs), none (online)."""
     progress("vocab", 0, 1)
     train = [s for s in samples if s["split"] == "train"]
     _, vocab_info = build_or_load_draft_vocab(
@@ -353,24 +346,27 @@ def _vocab_and_states(samples, meta, facts, open_extractor, target_dir, target_c
         facts["vocab_size"], out_dir / "vocab",
     )
     progress("vocab", 1, 1)
-    dump = None
-    if data_cfg.hidden_states == "offline":
-        fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, target_cfg, data_cfg)
-        with open_extractor() as extractor:
-            dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress,
-                                      log)
+    if data_cfg.hidden_states == "online":
+        return vocab_info, None
+    fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, target_cfg, data_cfg)
+    splits = ("train", "validation") if data_cfg.hidden_states == "offline" else ("validation",)
+    reserve = stream_reserve_bytes(data_cfg)
+    with open_engine() as extractor:
+        dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress,
+                                  log, splits=splits, reserve_bytes=reserve)
     return vocab_info, dump
+
+
+def stream_reserve_bytes(data_cfg: DataConfig) -> int:
+    """Disk the streamed train shards will take on this host (data.stream.disk_budget_gb), checked here with
+    the validation shards' need; 0 unless streaming."""
+    return int(data_cfg.stream.disk_budget_gb * 1e9) if data_cfg.hidden_states == "stream" else 0
 
 
 # --------------------------------------------------------------------------- command line (the data host's entry)
 
 SUMMARY_FILE = "summary.json"
 API_KEY_ENV = "EAGLEOPS_REGENERATE_API_KEY"  # the regeneration key travels in the environment, never in argv
-
-
-def _emit(event: str, **fields) -> None:
-    """One JSON line on stdout: what the orchestrator relays (progress, log lines, the outcome)."""
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def _configs(path: Path) -> tuple[TargetConfig, DataConfig]:
@@ -400,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:  # settings the target cannot take fail here, before any server is started for them
         _target_facts(Path(args.target_dir), target_cfg, data_cfg)
         ready = reusable_samples_meta(Path(args.target_dir), data_cfg, Path(args.out_dir)) is not None
-        _emit("done", samples_ready=ready)
+        emit_event("done", samples_ready=ready)
         return 0
     if args.samples_only:
         data_cfg = data_cfg.model_copy(update={"hidden_states": "online"})
@@ -408,15 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = generate_dataset(
             Path(args.target_dir), target_cfg, data_cfg, Path(args.out_dir),
-            on_progress=lambda stage, done, total: _emit("progress", stage=stage, done=done, total=total),
-            log=lambda message: _emit("log", message=message),
+            on_progress=lambda stage, done, total: emit_event("progress", stage=stage, done=done, total=total),
+            log=lambda message: emit_event("log", message=message),
             open_endpoints=(lambda: contextlib.nullcontext(urls)) if urls else None,
         )
     except (ValueError, OSError, RuntimeError) as exc:
-        _emit("error", message=f"{type(exc).__name__}: {exc}")
+        emit_event("error", message=f"{type(exc).__name__}: {exc}")
         raise
     atomic_write_text(Path(args.out_dir) / SUMMARY_FILE, json.dumps(summary, indent=2))
-    _emit("done", summary=SUMMARY_FILE)
+    emit_event("done", summary=SUMMARY_FILE)
     return 0
 
 

@@ -31,10 +31,13 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-def plan_shards(samples: list[dict], shard_size: int) -> list[tuple[str, list[dict]]]:
-    """(file name, samples) per shard: each split in id order, shard_size samples per shard."""
+SPLITS = ("train", "validation")
+
+
+def plan_shards(samples: list[dict], shard_size: int, splits: tuple[str, ...] = SPLITS) -> list[tuple[str, list[dict]]]:
+    """(file name, samples) per shard: each of `splits` in id order, shard_size samples per shard."""
     plan = []
-    for split in ("train", "validation"):
+    for split in splits:
         members = [s for s in samples if s["split"] == split]
         for n, start in enumerate(range(0, len(members), shard_size)):
             plan.append((f"{split}-{n:05d}.safetensors", members[start : start + shard_size]))
@@ -46,10 +49,10 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float
 _WRITE_BLOCK = 64 << 20
 
 
-def _safetensors_blocks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview | bytes]:
-    """A safetensors file as byte blocks: 8-byte header length, JSON header, then each tensor's
-    bytes back to back in dict order (little-endian, as safetensors stores them)."""
-    meta, offset = {}, 0
+def _safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """8-byte header length + JSON header of a safetensors file holding `tensors` in dict order (and the
+    string `metadata` safetensors keeps under `__metadata__`)."""
+    meta, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
         meta[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
@@ -57,7 +60,19 @@ def _safetensors_blocks(tensors: dict[str, torch.Tensor]) -> Iterator[memoryview
         offset += size
     header = json.dumps(meta, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)  # data starts 8-byte aligned, as safetensors pads it
-    yield struct.pack("<Q", len(header)) + header
+    return struct.pack("<Q", len(header)) + header
+
+
+def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """The exact size of the shard file `tensors` make, known before it is written."""
+    return len(_safetensors_header(tensors, metadata)) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _safetensors_blocks(tensors: dict[str, torch.Tensor],
+                        metadata: dict[str, str] | None = None) -> Iterator[memoryview | bytes]:
+    """A safetensors file as byte blocks: 8-byte header length, JSON header, then each tensor's
+    bytes back to back in dict order (little-endian, as safetensors stores them)."""
+    yield _safetensors_header(tensors, metadata)
     for tensor in tensors.values():
         raw = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
         for start in range(0, len(raw), _WRITE_BLOCK):
@@ -75,7 +90,7 @@ def _write_shard(tensors: dict, path: Path) -> tuple[str, int]:
     return digest, size
 
 
-def _write_hidden_shard(tensors: dict, path: Path) -> tuple[str, int]:
+def _write_hidden_shard(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> tuple[str, int]:
     """Write the shard to its hidden temp name (`_temp_name`); returns (sha256, bytes).
 
     The sha256 is of the bytes as they are written (no second read of the file). Block i is
@@ -88,7 +103,7 @@ def _write_hidden_shard(tensors: dict, path: Path) -> tuple[str, int]:
     with removed_on_failure(_temp_name(path), path), _temp_name(path).open("wb") as fh, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash") as hasher:
         hashed = None
-        for block in _safetensors_blocks(tensors):
+        for block in _safetensors_blocks(tensors, metadata):
             if hashed is not None:
                 hashed.result()  # blocks must reach the digest in file order
             hashed = hasher.submit(digest.update, block)
@@ -135,11 +150,15 @@ def _shard_entry(name: str, members: list[dict], digest: str, size: int) -> dict
 
 
 def _manifest_header(
-    extractor: FeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict]
+    extractor: FeatureExtractor, data_cfg: DataConfig, fingerprint: str, samples: list[dict],
+    splits: tuple[str, ...] = SPLITS,
 ) -> dict:
     """What the shards hold and how they were made: the engine that captured (its name, version and
-    the capture indices it actually hooked) is checked by training and by the deploy preflight."""
+    the capture indices it actually hooked) is checked by training and by the deploy preflight.
+    `splits`: those with shards here; the others' counts are listed too (a streamed train split is
+    captured while training runs, eagle3.training.streaming)."""
     return {
+        "splits": list(splits),
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "architecture": extractor.architecture,

@@ -1,7 +1,8 @@
-"""The target model in transformers: loaded whole onto one device (`load_target`, for the HF
-engine's capture, local regeneration and the reference server), or only its output head and
-embeddings read straight from safetensors (`load_target_head`: the teacher's logits without
-loading the model).
+"""The target model in transformers: loaded whole onto one device (`load_target`: the reference
+server, tests), placed over the devices target.placement names (`load_engine_target`: the HF
+engine's capture, online features and local regeneration; eagle3/data/placement.py), or only its
+output head and embeddings read straight from safetensors (`load_target_head`: the teacher's
+logits without loading the model).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eagle3.config import TargetConfig
+from eagle3.data.placement import load_placed_model
 
 
 def _safetensors_index(target_dir: Path) -> dict[str, Path]:
@@ -67,11 +71,22 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_target(path: Path | str, dtype: str = "auto", device: str = "cpu"):
-    """Load an HF causal-LM dir (the tiny target or a real one). -> (model in eval mode, tokenizer)"""
+def load_target(path: Path | str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False):
+    """Load an HF causal-LM dir (the tiny target or a real one) onto one device. -> (model in eval mode, tokenizer)"""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in target dir {path}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device),
+                                                 trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
+
+
+def load_engine_target(path: Path | str, target_cfg: TargetConfig) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The target as the HF engine runs it (capture, online features, local regeneration): its layers placed
+    over target.placement's devices. -> (model in eval mode, device map {unit: device})"""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in target dir {path}")
+    dtype = resolve_dtype(target_cfg.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    return load_placed_model(path, dtype, target_cfg.placement, target_cfg.trust_remote_code)

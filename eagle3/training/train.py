@@ -1,6 +1,7 @@
 """The training stage: `train_draft` is the entry the Prefect task wraps. It builds the draft
-from the target's config and the data stage's vocabulary, trains it on the offline shards (or
-online features), and writes checkpoints, `history.jsonl`, `summary.json` and the curves.
+from the target's config and the data stage's vocabulary, trains it on the offline shards, the
+streamed ones (`out_dir/stream`, written by eagle3.training.streaming's capture side while it
+trains) or online features, and writes checkpoints, `history.jsonl`, `summary.json` and the curves.
 
 With devices > 1 outside torchrun it relaunches itself (`python -m eagle3.training.train`, each
 rank's entry) under torchrun and relays the metrics rank 0 writes; a rank that dies is reported
@@ -27,7 +28,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from eagle3.config import TrainConfig
 from eagle3.data.capture import aux_ids_to_hf_indices
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel
+from eagle3.data.shards import SPLITS
 from eagle3.training.checkpoints import load_initial_weights
+from eagle3.training.streaming.dataset import StreamedDataset
+from eagle3.training.streaming.layout import STREAM_DIR
 from eagle3.training.curves import plot_training_curves
 from eagle3.training.torchrun import TORCHRUN_TAIL_LINES, describe_rank_failures, torchrun_command, torchrun_env
 from eagle3.training.trainer import MetricsFn, ProgressFn, Trainer
@@ -109,9 +113,12 @@ def train_draft(
     head = load_target_head(Path(target_dir))
     if online_features is None:
         # fp8 shards are decoded by the trainer on its device (Trainer._prepare), not in the loader workers
-        train_data = HiddenStateDataset(data_dir, "train", decode="device")
         val_data = HiddenStateDataset(data_dir, "validation", decode="device")
-        _check_dataset_layers(train_data.manifest, aux_layer_ids)
+        _check_dataset_layers(val_data.manifest, aux_layer_ids)
+        if "train" in val_data.manifest.get("splits", SPLITS):
+            train_data = HiddenStateDataset(data_dir, "train", decode="device")
+        else:  # data.hidden_states: stream -- its capture side writes the train split beside the checkpoints
+            train_data = StreamedDataset(out_dir / STREAM_DIR, val_data.manifest, decode="device")
     else:
         train_data, val_data = TokenizedDataset(data_dir, "train"), TokenizedDataset(data_dir, "validation")
         _check_dataset_layers({"aux_layer_ids": getattr(online_features, "aux_layer_ids", None)}, aux_layer_ids)

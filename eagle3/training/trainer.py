@@ -35,7 +35,8 @@ from eagle3.training.checkpoints import (
     write_checkpoint,
 )
 from eagle3.training.distributed import DistInfo, all_reduce_sum, init_distributed
-from eagle3.training.schedule import DataPlan, build_lr_lambda, default_collate_fn
+from eagle3.training.schedule import DataPlan, build_lr_lambda, default_collate_fn, planned_steps
+from eagle3.training.streaming.dataset import StreamedDataset
 from eagle3.training.ttt import (
     STAT_ROWS,
     Eagle3TTTModule,
@@ -131,7 +132,11 @@ class Trainer:
                 f"train split has {len(train_data)} samples; one optimizer step needs batch_size*devices*grad_accum "
                 f"= {cfg.batch_size * self.info.world_size * cfg.grad_accum}"
             )
-        self.total_steps = min(cfg.max_steps or 1 << 62, self.plan.steps_per_epoch * cfg.epochs)
+        self.total_steps = planned_steps(self.plan, cfg.epochs, cfg.max_steps)
+        # a streamed train split is read by slot, in step with its capture side (eagle3.training.streaming)
+        self.stream = train_data if isinstance(train_data, StreamedDataset) else None
+        if self.stream is not None:
+            self.stream.check_plan(self.plan, self.total_steps)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
             fused=self.device.type == "cuda",
@@ -315,10 +320,13 @@ class Trainer:
         last_step = min(self.total_steps, stop_at_step or self.total_steps)
         # the window's training time: wall time since window_start, minus evaluation and checkpoints
         window_start = time.perf_counter()
-        batches = self._loader(self.plan.rank_steps(self.info.rank, self.step, last_step), self.train_data)
+        slots = self.stream is not None
+        batches = self._loader(self.plan.rank_steps(self.info.rank, self.step, last_step, slots), self.train_data)
+        self._report_stream(checkpoint=True)  # where training starts: 0 or the checkpoint it resumed from
         while self.step < last_step:
             stats, grad_norm, tokens = self._optimizer_step(batches)
             self.step += 1
+            self._report_stream()
             window += stats
             window_tokens += tokens
             self.tokens_seen += tokens
@@ -335,12 +343,18 @@ class Trainer:
                     self._emit(val_metrics)
                 if checkpoint:
                     self.save_checkpoint()
+                    self._report_stream(checkpoint=True)
                 window_start += time.perf_counter() - paused
             if self.on_progress is not None and self.info.is_main:
                 self.on_progress(self.step, self.total_steps)
         del batches  # stops the loader's workers
         wall = time.perf_counter() - start_wall
         return self._summary(val_metrics, wall, self.tokens_seen - start_tokens)
+
+    def _report_stream(self, checkpoint: bool = False) -> None:
+        """Tell a stream's capture side what this rank consumed (and rank 0: what it saved), so it can delete."""
+        if self.stream is not None:
+            self.stream.report(self.info.rank, self.step, checkpoint=checkpoint and self.info.is_main)
 
     def _synchronize(self) -> float:
         """Wait for the queued device work; returns the time after it."""
