@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from eagle3.config import NAME_PATTERN, DataConfig, ExportConfig, StrictModel, TargetConfig, TrainConfig
+from eagle3.data.disk import budget_problem
 from tasks.config_yaml import YamlProblem, parse as parse_yaml, read_text as read_yaml_text
 from tasks.secrets import MASK, maskable_env_value, redact_obj, url_credentials
 
@@ -250,8 +251,8 @@ class ExperimentConfig(StrictModel):
         if unknown_nodes:
             raise ValueError(f"train.nodes {unknown_nodes} are neither 'local' nor hosts[].name {names}")
         if self.train.nodes and self.data.hidden_states == "online":
-            raise ValueError("train.nodes needs data.hidden_states: offline (online features load the target in "
-                             "the orchestrating process)")
+            raise ValueError("train.nodes needs data.hidden_states: offline or stream (online features load the "
+                             "target in the orchestrating process)")
         if self.target.kind == "tiny" and self.data.draft_vocab_size > self.target.tiny.vocab_size:
             raise ValueError(
                 f"data.draft_vocab_size ({self.data.draft_vocab_size}) exceeds the target vocabulary "
@@ -330,12 +331,36 @@ def runnable_placement_problems(cfg: ExperimentConfig) -> list[str]:
     if target.engine == "sglang" and target.aux_layer_ids and min(target.aux_layer_ids) < 0:
         problems.append(f"target.aux_layer_ids {target.aux_layer_ids}: SGLang's capture takes ids >= 0, so -1 (the "
                         "embeddings) cannot be captured with target.engine sglang")
+    if target.engine == "sglang" and target.placement.devices is not None:
+        problems.append(f"target.placement.devices {target.placement.devices}: the placement is the HF engine's "
+                        "(target.engine hf); SGLang's runner places the target over data.capture.tp GPUs")
     tokens = data.capture_batch_size * data.max_length
-    if target.engine == "sglang" and data.hidden_states == "offline" and tokens > data.capture.max_batch_tokens:
+    if target.engine == "sglang" and data.hidden_states != "online" and tokens > data.capture.max_batch_tokens:
         problems.append(f"data.capture.max_batch_tokens {data.capture.max_batch_tokens} is below data.capture_batch_size "
                         f"x data.max_length = {tokens}: a capture forward is never chunked, so raise it or lower those")
     if data.host != "local":
         problems += _remote_data_problems(cfg)
+    if data.hidden_states == "stream":
+        problems += _stream_problems(cfg)
+    return problems
+
+
+def _stream_problems(cfg: ExperimentConfig) -> list[str]:
+    """data.hidden_states: stream -- every rank reads the shards on the data host's disk, within the budget."""
+    data, train = cfg.data, cfg.train
+    problems = []
+    if data.host == "local" and any(node != "local" for node in train.nodes):
+        problems.append(f"train.nodes {train.nodes}: streamed shards stay on the data host's disk (data.host local), "
+                        "so every rank trains on this machine: train.nodes [] or [local]")
+    if len(train.nodes) > 1:
+        problems.append(f"train.nodes {train.nodes}: with data.hidden_states stream every rank reads the data host's "
+                        "disk, so training runs on one node (the data host) with train.devices ranks")
+    hidden = cfg.target.tiny.hidden_size if cfg.target.kind == "tiny" else getattr(cfg.target.shape, "hidden_size", None)
+    if hidden is not None:  # a target read only on the GPU host is checked there, before any capture
+        per_step = train.batch_size * train.devices * max(1, len(train.nodes)) * train.grad_accum
+        problem = budget_problem(int(data.stream.disk_budget_gb * 1e9), per_step, data, hidden,
+                                 len(cfg.target.aux_layer_ids or [0, 0, 0]))
+        problems += [problem] if problem else []
     return problems
 
 

@@ -5,7 +5,9 @@ command in its own process group on that host (`Executor.start_detached`, stdout
 log file there), then polls: new complete log lines are handed to the caller as they arrive, and
 the process's end is noticed. The command reports in JSON lines (`{"event": ...}`, as
 `python -m eagle3.data.generate` prints them); other lines are relayed as they are. Whatever ends
-the watch -- the command's end, an error here, Ctrl-C -- the process group is stopped.
+the watch -- the command's end, an error here, Ctrl-C -- the process group is stopped. `run` watches
+a job to its end; `start`, `poll` and `stop` watch one beside other work (a stream's capture side
+beside training, tasks.stream).
 
 Risk: a job that dies without a word (OOM-killed, SIGKILL) must not look finished. Success is
 the command's own `done` event, never only its disappearance; anything else raises with the
@@ -19,7 +21,7 @@ import json
 import posixpath
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tasks.remote import CommandFailed, Executor, RemoteError
 
@@ -47,10 +49,17 @@ class HostJob:
     executor: Executor
     label: str
     root: str  # the job's folder on the host: its log and pid files
+    pid: int | None = None
+    outcome: dict = field(default_factory=dict)  # its `done` and `error` events, once seen
+    _offset: int = 0
 
     @property
     def log_file(self) -> str:
         return posixpath.join(self.root, f"{self.label}.log")
+
+    @property
+    def pid_file(self) -> str:
+        return posixpath.join(self.root, f"{self.label}.pid")
 
     def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None, on_event: Callable[[dict], None],
             on_line: Callable[[str], None]) -> dict:
@@ -59,33 +68,47 @@ class HostJob:
         `on_event` gets each JSON event line, `on_line` every other line. Raises HostJobFailed when
         the job ends without `done` (its `error` event, if any, leads the message).
         """
-        self.executor.makedirs(self.root)
-        pid = self.executor.start_detached(list(argv), env=env, cwd=self.root, log_file=self.log_file,
-                                           pid_file=posixpath.join(self.root, f"{self.label}.pid"))
-        outcome: dict = {}
+        self.start(argv, env=env)
         try:
-            self._watch(pid, outcome, on_event, on_line)
+            while self.poll(on_event, on_line):
+                time.sleep(POLL_S)
         finally:
-            with contextlib.suppress(RemoteError, OSError):
-                self.executor.kill_group(pid)  # idempotent: a finished job's group is already gone
-        if "done" not in outcome:
-            raise HostJobFailed(self._failure(outcome.get("error")))
-        return outcome["done"]
+            self.stop()
+        return self.result()
 
-    def _watch(self, pid: int, outcome: dict, on_event, on_line) -> None:
-        offset, alive = 0, True
-        while alive:
-            time.sleep(POLL_S)
-            alive = self.executor.is_alive(pid)  # read after the check: the last lines are never missed
-            lines, offset = new_log_lines(self.executor, self.log_file, offset)
-            for line in lines:
-                event = _event(line)
-                if event is None:
-                    on_line(line)
-                    continue
-                if event["event"] in ("done", "error"):
-                    outcome[event["event"]] = event
-                on_event(event)
+    def start(self, argv: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+        """Start `argv` detached in its own process group on the host; its pid."""
+        self.executor.makedirs(self.root)
+        self.pid = self.executor.start_detached(list(argv), env=env, cwd=self.root, log_file=self.log_file,
+                                                pid_file=self.pid_file)
+        self.outcome, self._offset = {}, 0
+        return self.pid
+
+    def poll(self, on_event: Callable[[dict], None], on_line: Callable[[str], None]) -> bool:
+        """Relay the log lines written since the last poll; whether the job still runs."""
+        alive = self.executor.is_alive(self.pid)  # read after the check: the last lines are never missed
+        lines, self._offset = new_log_lines(self.executor, self.log_file, self._offset)
+        for line in lines:
+            event = _event(line)
+            if event is None:
+                on_line(line)
+                continue
+            if event["event"] in ("done", "error"):
+                self.outcome[event["event"]] = event
+            on_event(event)
+        return alive
+
+    def stop(self) -> None:
+        """Stop the job's process group (idempotent: a finished job's group is already gone)."""
+        if self.pid is not None:
+            with contextlib.suppress(RemoteError, OSError):
+                self.executor.kill_group(self.pid)
+
+    def result(self) -> dict:
+        """The job's `done` event; HostJobFailed naming its error and log tail when it ended without one."""
+        if "done" not in self.outcome:
+            raise HostJobFailed(self._failure(self.outcome.get("error")))
+        return self.outcome["done"]
 
     def _failure(self, error: dict | None) -> str:
         try:
@@ -94,7 +117,6 @@ class HostJob:
             tail = "(no log)"
         what = error["message"] if error else "it ended without reporting (killed?)"
         return f"{self.label} on {self.executor.name} failed: {what}; last lines of {self.log_file}:\n{tail}"
-
 
 def _event(line: str) -> dict | None:
     if not line.startswith('{"event"'):

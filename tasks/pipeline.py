@@ -98,11 +98,25 @@ def _speculators_verifier_from_paths(cfg: ExperimentConfig) -> bool:
     return "speculators" in cfg.export.formats and cfg.export.verifier_name_or_path is None
 
 
+def _streamed(cfg: ExperimentConfig) -> bool:
+    """train_draft runs the stream's capture side (data.hidden_states: stream)."""
+    return cfg.data.hidden_states == "stream"
+
+
+# What the capture side of a stream is given (the data and target sections, tasks/stream.py): its content is
+# decided upstream (the data stage's fingerprint and digest, an input), its pace by the budget.
+_STREAM_CAPTURE = ("target.kind", "target.model_path", "target.shape", "target.tiny", "target.aux_layer_ids",
+                   "target.engine", "target.trust_remote_code", "target.placement", "data.stream", "data.capture",
+                   "data.capture_batch_size", "data.shard_size", "data.hidden_states_dtype", "data.max_length",
+                   "data.regenerate", "data.prompts", "data.num_samples", "data.validation_fraction", "data.seed",
+                   "data.host")
 # Regeneration settings that change how fast answers arrive, not which answers.
 _DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in (
     "concurrency", "retries", "timeout_s", "backoff_s", "api_key", "endpoint", "endpoints", "deploy", "max_failed_fraction"))
-# How the SGLang capture runner batches and sizes its memory, not which hidden states it writes.
-_CAPTURE_OPERATIONAL = ("data.capture.max_batch_tokens", "data.capture.mem_fraction_static")
+# How the SGLang capture runner batches and sizes its memory, where the HF engine places the target, and how
+# much disk a stream may take: not which hidden states are written.
+_CAPTURE_OPERATIONAL = ("data.capture.max_batch_tokens", "data.capture.mem_fraction_static", "target.placement",
+                        "data.stream")
 # Where the runs root and its tiny-target cache are (a moved run folder re-runs nothing), how many CPU
 # threads build the tiny target, how the SSH inventory reaches a host.
 _WHERE = ("runs_root", "target.tiny.num_threads", "hosts")
@@ -124,6 +138,10 @@ STAGE_SPECS: dict[str, StageSpec] = {
     "train_draft": StageSpec(
         config=("train", "data.draft_vocab_size", "data.hidden_states", "target.dtype"),
         operational=tuple(f"train.{k}" for k in RESUMABLE_FIELDS) + _WHERE + _FINDS_TARGET, needs=("generate_data",),
+        # the stream's capture side captures what the data stage's fingerprint (an input, upstream) decides
+        when=(Reads(_streamed, operational=_STREAM_CAPTURE),
+              Reads(lambda cfg: cfg.data.hidden_states == "online", operational=("target.placement",
+                                                                                  "target.trust_remote_code"))),
     ),
     "export_checkpoint": StageSpec(
         config=("export",), operational=_WHERE + ("target.kind", "target.tiny"), needs=("train_draft",),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 from prefect import task
@@ -21,17 +22,20 @@ from eagle3.training.train import train_draft as run_training
 from tasks.config import ExperimentConfig
 from tasks.data import recorded_target_dir
 from tasks.pipeline import StageContext, logger
+from tasks.remote import LocalExecutor
 from tasks.rundir import digest_json, digest_paths
+from tasks.stream import StreamPlace, capture_side, relayed_in_background
 from tasks.train_nodes import train_on_nodes
 
 
 def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
-    """Target features computed inside training (data.hidden_states: online)."""
+    """Target features computed inside training (data.hidden_states: online), the target placed over
+    target.placement's devices as the HF engine places it for capture."""
     from eagle3.data.capture import TargetFeatureExtractor
-    from eagle3.data.target import load_target
+    from eagle3.data.target import load_engine_target
 
-    model, _ = load_target(target_dir, cfg.target.dtype, "cuda" if _cuda() else "cpu")
-    return TargetFeatureExtractor.from_model(model, aux_layer_ids)
+    model, device_map = load_engine_target(target_dir, cfg.target)
+    return TargetFeatureExtractor.from_model(model, aux_layer_ids, device_map)
 
 
 def _cuda() -> bool:
@@ -46,12 +50,21 @@ def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_d
         return train_on_nodes(cfg, ctx, dataset_dir, target_dir, aux_layer_ids,
                               on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
                               progress=progress)
-    return run_training(
+    train_here = lambda: run_training(  # noqa: E731
         dataset_dir, target_dir, cfg.train, ctx.stage_dir / "draft",
         aux_layer_ids=aux_layer_ids, draft_vocab_size=cfg.data.draft_vocab_size, online_features=online,
         on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
         on_progress=lambda done, total: progress("optimizer steps", done, total), log=logger().info,
     )
+    if cfg.data.hidden_states != "stream":
+        return train_here()
+    place = StreamPlace("local", LocalExecutor(), sys.executable, str(ctx.stage_dir / "draft"), str(target_dir),
+                        str(dataset_dir), str(ctx.stage_dir))
+    with capture_side(cfg, ctx, place, world_size=cfg.train.devices) as side:
+        with relayed_in_background(side):
+            summary = train_here()
+        summary["stream"] = side.finish()
+    return summary
 
 
 def training_record(data: dict, target_dir: Path) -> dict:
@@ -67,6 +80,15 @@ def training_record(data: dict, target_dir: Path) -> dict:
         "draft_vocab_coverage": data.get("vocab", {}).get("coverage"),
         "capture_engine": data.get("capture_engine"),  # name, version and the capture indices it hooked
     }
+
+
+def _stream_metrics(stream: dict | None) -> dict:
+    """The capture side's figures of data.hidden_states: stream (tasks.stream), as stage metrics."""
+    if not stream:
+        return {}
+    return {"stream_capture_tok_s": stream.get("capture_tok_s"), "stream_disk_peak_gb": stream["disk_high_water_bytes"] / 1e9,
+            "stream_shards_captured": stream["shards_captured"], "stream_shards_reused": stream["shards_reused"],
+            **{f"stream_capture_s_epoch_{e['epoch']}": e["capture_s"] for e in stream["epochs"]}}
 
 
 @task(name="train_draft", cache_policy=NO_CACHE)
@@ -87,6 +109,7 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     metrics = {"simulated_accept_length": summary.get("simulated_accept_length"), "tokens_per_s": summary.get("tokens_per_s"),
                "steps": summary.get("steps")}
     metrics.update({f"acc_{i}": a for i, a in enumerate(summary.get("acc", [])) if a is not None})
+    metrics.update(_stream_metrics(summary.get("stream")))
     logger().info(f"train_draft: simulated accept length {summary.get('simulated_accept_length')} "
                   f"({summary.get('metrics_split')} split), acc_k {summary.get('acc')}")
     return {

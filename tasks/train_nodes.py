@@ -36,13 +36,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3.data.shards import MANIFEST
-from eagle3.training.schedule import DataPlan
+from eagle3.training.schedule import DataPlan, planned_steps
 from eagle3.training.torchrun import NODE_STATUS
 from eagle3.training.train import relay_history_rows
 from tasks.config import ExperimentConfig
 from tasks.host_job import new_log_lines
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
+from tasks.stream import CaptureSide, StreamPlace, capture_side
 
 DEFAULT_MASTER_PORT = 29500
 POLL_S = 2.0
@@ -94,15 +95,17 @@ def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, 
         inputs = [_stage_inputs(cfg, ctx, node, dataset_dir, target_dir) for node in nodes]
         _sync_checkpoints(nodes, local_out)
         master = _master(cfg, nodes)
-        try:
-            for node, (data, target, config) in zip(nodes, inputs):
-                _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
+        with _stream_capture(cfg, ctx, nodes, inputs) as capture:  # data.hidden_states: stream, else None
+            try:
+                for node, (data, target, config) in zip(nodes, inputs):
+                    _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
+                    _record(ctx, nodes)
+                _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir), cfg.train.stall_timeout_s, capture)
+            finally:
+                _stop_all(nodes)
                 _record(ctx, nodes)
-            _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir), cfg.train.stall_timeout_s)
-        finally:
-            _stop_all(nodes)
-            _record(ctx, nodes)
-        return _bring_back(nodes[0], local_out)
+            streamed = capture.finish() if capture is not None else None
+        return _bring_back(nodes[0], local_out) | ({"stream": streamed} if streamed else {})
     finally:
         for node in nodes:
             node.executor.close()
@@ -269,12 +272,23 @@ def total_steps(cfg: ExperimentConfig, dataset_dir: Path) -> int:
     manifest = json.loads((Path(dataset_dir) / "hidden_states" / MANIFEST).read_text())
     plan = DataPlan(manifest["num_samples"]["train"], cfg.train.batch_size, world, cfg.train.grad_accum,
                     cfg.train.seed)
-    return min(cfg.train.max_steps or 1 << 62, plan.steps_per_epoch * cfg.train.epochs)
+    return planned_steps(plan, cfg.train.epochs, cfg.train.max_steps)
 
 
-def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total: int, stall_timeout_s: float) -> None:
+def _stream_capture(cfg: ExperimentConfig, ctx: StageContext, nodes: list[Node], inputs: list[tuple[str, str, str]]):
+    """The stream's capture side on node 0's host (the data host), writing beside node 0's checkpoints."""
+    if cfg.data.hidden_states != "stream":
+        return contextlib.nullcontext(None)
+    node0, (data, target, _) = nodes[0], inputs[0]
+    place = StreamPlace(node0.host, node0.executor, node0.python, node0.out_dir, target, data, node0.root)
+    return capture_side(cfg, ctx, place, world_size=cfg.train.devices * len(nodes))
+
+
+def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total: int, stall_timeout_s: float,
+           capture: CaptureSide | None = None) -> None:
     """Relay logs and metrics until every launcher exited; raise NodeFailed at the first failure, or when
-    nothing progressed (no node's log grew, no history row came) for `stall_timeout_s`."""
+    nothing progressed (no node's log grew, no history row came) for `stall_timeout_s`. A stream's capture
+    side is relayed too; its failure ends the watch (HostJobFailed)."""
     def relay(step: int, row: dict[str, float]) -> None:
         on_metrics(step, row)
         progress("optimizer steps", step, total)
@@ -290,6 +304,8 @@ def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total
                 last_output[node.rank] = now
         if metrics.poll():
             last_output[nodes[0].rank] = now
+        if capture is not None:
+            capture.poll()
         _check_stalled(nodes, running, last_output, stall_timeout_s)
         for node in [n for n in nodes if n.rank in running]:
             if node.executor.is_alive(node.pid):

@@ -26,6 +26,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from eagle3.data.structure import architecture_of, decoder_layers, decoder_layers_path, num_layers_of  # noqa: F401
+
 PLUS_ONE = "plus_one"
 PLUS_ONE_IF_FIRST_IS_ONE = "plus_one_if_first_is_one"
 AS_IS_IF_MAX_IS_NUM_LAYERS = "as_is_if_max_is_num_layers"
@@ -185,31 +187,6 @@ def default_aux_layer_ids(architecture: str, num_hidden_layers: int) -> list[int
 
 
 # --------------------------------------------------------------------------- capture
-
-
-def architecture_of(model: nn.Module) -> str:
-    """`config.architectures[0]`, or the class name for a model built in code."""
-    archs = getattr(model.config, "architectures", None)
-    return archs[0] if archs else type(model).__name__
-
-
-def num_layers_of(model: nn.Module) -> int:
-    """Decoder layer count of the (text) model."""
-    return model.config.get_text_config().num_hidden_layers
-
-
-def decoder_layers_path(model: nn.Module) -> str:
-    """Dotted name of the decoder layers' ModuleList (`model.layers` for Llama; the first `*layers` of length L)."""
-    count = num_layers_of(model)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and name.endswith("layers") and len(module) == count:
-            return name
-    raise ValueError(f"{type(model).__name__}: no ModuleList '*layers' with {count} decoder layers found")
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The ModuleList of decoder layers (see decoder_layers_path)."""
-    return model.get_submodule(decoder_layers_path(model))
 
 
 def _record_input(store: dict, index: int, module, args, kwargs) -> None:

@@ -1,10 +1,11 @@
-"""Disk space for the offline hidden states: the bytes a dump writes and the free-space check
-made before anything is computed (reference eagle3-training.md (e).4: 4 * H * 2 bytes per
-token in bf16; about 2.5 * H with `data.hidden_states_dtype: float8_e4m3`).
+"""Disk space for the hidden states: the bytes a dump writes, the free-space check made before
+anything is computed (reference eagle3-training.md (e).4: 4 * H * 2 bytes per token in bf16; about
+2.5 * H with `data.hidden_states_dtype: float8_e4m3`), and what a streamed capture's budget must hold.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,25 @@ def max_shard_bytes(data_cfg, hidden_size: int, num_aux: int) -> int:
     """The largest shard `data_cfg` can make: data.shard_size samples of data.max_length tokens."""
     samples = data_cfg.shard_size
     return _dump_bytes(samples * data_cfg.max_length, samples, hidden_size, num_aux, data_cfg.hidden_states_dtype)
+
+
+def min_budget_shards(slots_per_step: int, shard_size: int) -> int:
+    """Streamed shards the budget must hold at once, or each side waits for the other forever: every shard one
+    optimizer step reads (training reports what it consumed after the step; unaligned, its slots touch
+    ceil(slots_per_step / shard_size) + 1 shards). Only a larger budget lets the capture run ahead."""
+    return math.ceil(slots_per_step / shard_size) + 1
+
+
+def budget_problem(budget: int, slots_per_step: int, data_cfg, hidden_size: int, num_aux: int) -> str | None:
+    """Why data.stream's `budget` bytes cannot hold what one optimizer step reads, or None."""
+    shards = min_budget_shards(slots_per_step, data_cfg.shard_size)
+    largest = max_shard_bytes(data_cfg, hidden_size, num_aux)
+    if budget >= shards * largest:
+        return None
+    return (f"data.stream.disk_budget_gb {budget / 1e9:.3g} GB is below {shards * largest / 1e9:.3g} GB: one optimizer "
+            f"step reads up to {shards} shards of up to {largest / 1e9:.3g} GB (data.shard_size {data_cfg.shard_size} x "
+            f"data.max_length {data_cfg.max_length} tokens x {largest // (data_cfg.shard_size * data_cfg.max_length)} "
+            "B), which must all be on disk at once; raise the budget or lower data.shard_size")
 
 
 def check_disk_space(directory: Path, need: int, log: LogFn) -> None:

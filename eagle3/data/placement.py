@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from eagle3.config import PlacementConfig
-from eagle3.data.capture import decoder_layers_path
+from eagle3.data.structure import decoder_layers_path
 
 SIMULATED_DEVICES_ENV = "EAGLEOPS_SIMULATED_DEVICES"
 _SIZE = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)(KB|MB|GB)$")
@@ -181,7 +181,11 @@ def plan_placement(units: list[Unit], slots: list[DeviceSlot], what: str = "the 
 
 
 def _gb(nbytes: int) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
+    """Bytes as people read them: GB for a real target, MB or KB for the small ones of a test."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= size / 10:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes / 1e3:.1f} KB"
 
 
 def _describe(slots: list[DeviceSlot]) -> str:

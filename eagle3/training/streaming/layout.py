@@ -96,13 +96,6 @@ def stream_key(data_fingerprint: str, session: Session) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def min_budget_shards(stream: StreamPlan) -> int:
-    """Shards the budget must hold at once, or each side waits for the other forever: every shard one
-    optimizer step reads (training reports what it consumed after the step; unaligned, its slots touch
-    ceil(slots_per_step / shard_size) + 1 shards). Only a larger budget lets the capture run ahead."""
-    return math.ceil(stream.plan.slots_per_step / stream.shard_size) + 1
-
-
 def shard_name(shard: int) -> str:
     return f"shard-{shard:06d}.safetensors"
 
@@ -200,3 +193,23 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle3.training.streaming.layout start DIR --plan JSON --stall-timeout-s S`: a new session in
+    DIR (on the data host, before either side starts); prints its id."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="eagle3.training.streaming.layout", description=main.__doc__)
+    parser.add_argument("command", choices=["start"])
+    parser.add_argument("directory")
+    parser.add_argument("--plan", required=True, help="StreamPlan.to_json() as JSON")
+    parser.add_argument("--stall-timeout-s", type=float, required=True)
+    args = parser.parse_args(argv)
+    session = start_session(Path(args.directory), StreamPlan.from_json(json.loads(args.plan)), args.stall_timeout_s)
+    print(session.id)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

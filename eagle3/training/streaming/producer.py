@@ -37,7 +37,7 @@ import torch
 
 from eagle3.config import DataConfig
 from eagle3.data.capture import FeatureExtractor
-from eagle3.data.disk import max_shard_bytes
+from eagle3.data.disk import budget_problem
 from eagle3.data.dump import capture_shard
 from eagle3.data.files import LogFn, ProgressFn, atomic_write_text
 from eagle3.data.shards import STATE_DTYPES, _temp_name, _write_hidden_shard, safetensors_bytes
@@ -46,7 +46,6 @@ from eagle3.training.streaming.layout import (
     MANIFEST,
     Session,
     current_session_id,
-    min_budget_shards,
     read_progress,
     read_session,
     shard_index,
@@ -273,12 +272,10 @@ def _produce(shelf: _Shelf, extractor: FeatureExtractor, train_samples: list[dic
 
 def _check_budget(budget: int, stream, data_cfg: DataConfig, extractor: FeatureExtractor) -> None:
     """The budget must hold every shard one optimizer step reads (layout.min_budget_shards), at their largest."""
-    need = min_budget_shards(stream) * max_shard_bytes(data_cfg, extractor.hidden_size, len(extractor.hf_indices))
-    if budget < need:
-        raise ValueError(f"data.stream.disk_budget_gb {budget / 1e9:.3f} GB is below {need / 1e9:.3f} GB: one optimizer "
-                         f"step reads up to {min_budget_shards(stream)} shards of up to {need / min_budget_shards(stream) / 1e9:.3f} "
-                         f"GB (data.shard_size {data_cfg.shard_size} x data.max_length {data_cfg.max_length} tokens), "
-                         "which must all be on disk at once; raise the budget or lower data.shard_size")
+    problem = budget_problem(budget, stream.plan.slots_per_step, data_cfg, extractor.hidden_size,
+                             len(extractor.hf_indices))
+    if problem:
+        raise ValueError(problem)
 
 
 def _training_start(shelf: _Shelf, poll_s: float) -> int:

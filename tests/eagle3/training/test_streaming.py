@@ -273,7 +273,7 @@ def test_a_budget_below_one_steps_shards_is_refused_naming_the_field(datasets, t
     start_session(stream_dir, plan_stream(train_config(batch_size=8), TRAIN_SAMPLES, 1, 4), stall_timeout_s=5)
     small = data_config("stream").model_copy(update={"stream": StreamConfig(disk_budget_gb=0.0005)})
     extractor = TargetFeatureExtractor(tiny_target_dir, aux)
-    with pytest.raises(ValueError, match=r"data.stream.disk_budget_gb 0.001 GB is below .* reads up to 3 shards"):
+    with pytest.raises(ValueError, match=r"data.stream.disk_budget_gb 0.0005 GB is below .* reads up to 3 shards"):
         run_capture_side(stream_dir, small, "fingerprint", lambda: contextlib.nullcontext(extractor),
                          read_samples(streamed / SAMPLES_FILE, "train"), lambda *a: None, lambda m: None)
     assert read_producer_state(stream_dir, json.loads((stream_dir / "session.json").read_text())["id"])["state"] == "failed"
