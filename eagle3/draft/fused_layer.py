@@ -7,21 +7,36 @@ that every TTT step calls with them. Autograd would give each step its own weigh
 output and then add the K outputs up (K - 1 extra passes over every weight matrix: 2.3 ms of a
 68 ms Llama-3.1-8B step, ~5 ms at Kimi-K2.5's width); here the first backward GEMM writes the
 gradient, the later ones add into it in their epilogue (cuBLAS beta = 1), and the last one hands
-each master parameter its slice, cast to the parameter's dtype by one (compiled) pass.
+each master parameter its slice, cast to the parameter's dtype by one (compiled) pass. (Summing in
+fp32 inside the GEMMs instead, cuBLAS reading and writing an fp32 C, removes that cast but was
+measured slower: the fp32-C GEMMs took ~2 ms more than the cast costs on a Llama-3.1-8B step.)
+
+The compute-dtype copies themselves (`compute_copy`) persist between unrolls when the masters are
+fp32 on CUDA: the optimizer writes each master's bf16 copy into its rows as it updates the master
+(`eagle3.training.adamw` asks `shadow_of(param)`), so the next unroll finds them current and casts
+nothing (a cast reads 4 B and writes 2 B per weight; the optimizer writes 2 B more instead: on a
+Llama-3.1-8B step the cast kernels' 0.6 ms went, the optimizer took 0.26 ms more). A copy counts as
+current while each master's `_version` and `data_ptr()` are what they were when it was last
+written; any other change to a master (load_state_dict, an eager optimizer step, `.data =`) changes
+one of them and the rows are cast again.
 
 Risk: the sum is handed over when the weight's last registered use has run its backward. Every
 use registered in a forward with grad enabled must therefore receive a gradient in the same
 backward (true of the TTT unroll: each step's output reaches the loss); a use whose output never
 reaches the loss would hold the sum back. `FusedLayerWeights.pending()` says whether any is left.
+A persistent copy is wrong only if a master changes without its version counter moving (an in-place
+write through `.data`, or a compiled function that mutates it other than the optimizer's update).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def _upcast(grad: Tensor, dtype: torch.dtype) -> Tensor:
@@ -49,7 +64,81 @@ class WeightGradSlot:
 
     def __init__(self, masters: list[Tensor], dtype: torch.dtype | None) -> None:
         self.masters, self.uses, self.grad = masters, 0, None
-        self.weight = _fused_copy(masters, dtype)
+        self.weight = compute_copy(masters, dtype)
+
+
+class _PersistentCopy:
+    """cat(masters) in a compute dtype, kept between unrolls; the state each master had when its rows
+    were last written (`_version`, `data_ptr()`) says whether the rows are current."""
+
+    def __init__(self, masters: list[Tensor], dtype: torch.dtype) -> None:
+        self.refs = [weakref.ref(m) for m in masters]
+        self.dtype = dtype
+        self.buffer = torch.empty((sum(m.shape[0] for m in masters), *masters[0].shape[1:]), dtype=dtype,
+                                  device=masters[0].device)
+        self.rows = dict(zip(map(id, masters), self.buffer.split([m.shape[0] for m in masters])))
+        self.written: dict[int, tuple[int, int]] = {}
+
+    def matches(self, masters: list[Tensor], dtype: torch.dtype) -> bool:
+        return dtype == self.dtype and len(masters) == len(self.refs) and all(
+            ref() is m for ref, m in zip(self.refs, masters))
+
+    def mark_written(self, master: Tensor) -> None:
+        self.written[id(master)] = (master._version, master.data_ptr())
+
+    @torch.no_grad()
+    def refresh(self, masters: list[Tensor]) -> Tensor:
+        for master in masters:  # only the rows whose master changed since they were written
+            if self.written.get(id(master)) != (master._version, master.data_ptr()):
+                self.rows[id(master)].copy_(master)
+                self.mark_written(master)
+        return self.buffer
+
+
+_persistent_enabled = True
+# first master -> its fused copy (weak: a copy goes with its parameters); master -> (its copy, its rows)
+_persistent_copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_shadows: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def set_persistent_copies(enabled: bool) -> None:
+    """Keep compute-dtype weight copies between unrolls (see the module docstring); False: cast every
+    unroll (benchmarks compare both). Dropping them frees their memory."""
+    global _persistent_enabled
+    _persistent_enabled = enabled
+    if not enabled:
+        _persistent_copies.clear()
+        _shadows.clear()
+
+
+def compute_copy(masters: list[Tensor], dtype: torch.dtype | None) -> Tensor:
+    """cat(masters) in `dtype` (None: the masters' own) for one unroll: the persistent copy, refreshed
+    where a master changed, when the masters are fp32 CUDA tensors cast to bf16/fp16; else a fresh copy."""
+    dtype = dtype or masters[0].dtype
+    if not (_persistent_enabled and masters[0].is_cuda and dtype in (torch.bfloat16, torch.float16)
+            and all(m.dtype == torch.float32 for m in masters)):
+        return _fused_copy(masters, dtype)
+    copy = _persistent_copies.get(masters[0])
+    if copy is None or not copy.matches(masters, dtype):
+        copy = _PersistentCopy(masters, dtype)
+        _persistent_copies[masters[0]] = copy
+        for master in masters:
+            _shadows[master] = copy
+    return copy.refresh(masters)
+
+
+def shadow_of(param: Tensor) -> Tensor | None:
+    """The rows of `param`'s persistent compute-dtype copy, for an optimizer that writes them as it
+    updates `param` and then calls `shadow_written(param)`; None if it has none."""
+    copy = _shadows.get(param)
+    return None if copy is None else copy.rows.get(id(param))
+
+
+def shadow_written(param: Tensor) -> None:
+    """`param`'s rows of its persistent copy now hold `param` cast (written by the optimizer's update)."""
+    copy = _shadows.get(param)
+    if copy is not None:
+        copy.mark_written(param)
 
 
 @torch.no_grad()

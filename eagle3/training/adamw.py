@@ -6,6 +6,10 @@ update written as tensor ops and compiled by inductor is one pointwise kernel pe
 state stays torch's (`exp_avg`, `exp_avg_sq`, a float32 `step` tensor on the device, as the fused
 optimizer keeps it), so checkpoints, resume and the LR scheduler see an ordinary AdamW.
 
+Where the draft keeps a persistent compute-dtype copy of a parameter (`eagle3.draft.fused_layer.
+shadow_of`), the same kernel also writes the updated parameter, cast, into that copy's rows: 2 B more
+written per parameter instead of the next unroll's cast pass (read 4 B, write 2 B).
+
 Risk: the math must stay torch's AdamW (decoupled weight decay, bias corrections after the step
 increment, the clip coefficient dividing the gradient as fused AdamW's `grad_scale` does);
 tests/eagle3/training/test_train.py compares it with torch's fused step.
@@ -18,10 +22,14 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from eagle3.draft.fused_layer import shadow_of, shadow_written
+
 
 def _adamw_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
-                 beta1: float, beta2: float, weight_decay: float, eps: float, clip: Tensor) -> None:
-    """One AdamW update of one parameter in place; `step` (0-dim) is incremented first, as torch does."""
+                 beta1: float, beta2: float, weight_decay: float, eps: float, clip: Tensor,
+                 shadow: Tensor | None = None) -> None:
+    """One AdamW update of one parameter in place; `step` (0-dim) is incremented first, as torch does.
+    `shadow` (the parameter's compute-dtype copy, if any) receives the updated parameter, cast."""
     step.add_(1)
     grad = grad / clip
     param.mul_(1 - lr * weight_decay)
@@ -30,6 +38,8 @@ def _adamw_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step).sqrt()
     param.sub_(lr / bias_correction1 * exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps))
+    if shadow is not None:
+        shadow.copy_(param)
 
 
 _adamw_fn: Callable = _adamw_param
@@ -71,6 +81,9 @@ def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             if lr is None or lr.device != param.device:  # a fill kernel, not a host->device copy (no sync)
                 lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=param.device)
+            shadow = shadow_of(param)
             _adamw_fn(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
-                      group["weight_decay"], group["eps"], clip.to(param.device))
+                      group["weight_decay"], group["eps"], clip.to(param.device), shadow)
+            if shadow is not None:
+                shadow_written(param)
     optimizer._opt_called = True  # what torch's step wrapper records for the LR scheduler's order check

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.config import TrainConfig
-from eagle3.draft.losses import soft_cross_entropy_steps
+from eagle3.draft.losses import soft_cross_entropy_steps, soft_cross_entropy_unroll
 from eagle3.draft.model import Eagle3DraftModel, TTTCache
 
 STAT_ROWS = 4  # ce_sum, counted positions, correct, loss-masked positions
@@ -72,31 +72,58 @@ class Eagle3TTTModule(nn.Module):
         hidden = draft.project(aux_hidden_states)  # [B, T, H]
         positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
         counted_all = loss_mask & in_vocab
-        cache, normed_rows, targets, counts, masked = TTTCache(), [], [], [], []
+        cache, normed_steps, counts, masked = TTTCache(), [], [], []
         steps = min(self.ttt_steps, t - 1)  # step k needs a teacher at t + k + 1 <= T - 1
         for k in range(steps):
-            s, n = k + 1, t - k - 1
+            s = k + 1
             ids_k = F.pad(input_ids[:, s:], (0, s))  # token t+s at query t
             hidden, normed = draft.ttt_step(ids_k, hidden, positions + k, cache, self.attention,
                                             weights=weights, return_normed=True)
-            # one contiguous [n, .] block per sequence: shifted [B, T, Vd] teacher slices are not
-            # contiguous across the batch, and reshaping them would copy the teacher every step
-            normed_rows += [normed[i, :n] for i in range(b)]
-            targets += [(target_p[i, s:], target_ids[i, s:], counted_all[i, s:]) for i in range(b)]
+            normed_steps.append(normed)  # [B, T, H]; query t learns teacher t + s
             counts.append(counted_all[:, s:].sum())
             masked.append(loss_mask[:, s:].sum())
         counts_t = torch.stack(counts).float()
         decay = self.step_decay ** torch.arange(steps, device=input_ids.device, dtype=torch.float32)
         divisor = counts_t.clamp(min=1) if loss_norm is None else loss_norm[:steps].to(counts_t)
         scales = (decay / divisor).repeat_interleave(b)  # per (step, sequence) block
-        loss, ce, correct = soft_cross_entropy_steps(normed_rows, draft.lm_head.weight, targets, scales,
-                                                     self.loss_chunk)
-        rows_per_step = [(t - k - 1) * b for k in range(steps)]
-        correct_k = torch.stack([c.sum() for c in correct.split(rows_per_step)]).float()
-        stats = torch.stack([ce.view(steps, b).sum(1), counts_t, correct_k, torch.stack(masked).float()])
+        if _unroll_loss:  # all steps' loss in one kernel per teacher block (losses.soft_cross_entropy_unroll)
+            loss, ce, correct_k = soft_cross_entropy_unroll(normed_steps, draft.lm_head.weight, target_p,
+                                                            target_ids, counted_all, scales)
+            ce_k, correct_k = ce.sum(1), correct_k.float()
+        else:
+            loss, ce_k, correct_k = self._loss_per_step(normed_steps, target_p, target_ids, counted_all, scales)
+        stats = torch.stack([ce_k, counts_t, correct_k, torch.stack(masked).float()])
         if stats.shape[1] < self.ttt_steps:  # sequences shorter than the unroll: later steps count nothing
             stats = F.pad(stats, (0, self.ttt_steps - stats.shape[1]))
         return loss, stats
+
+
+    def _loss_per_step(self, normed_steps: list[Tensor], target_p: Tensor, target_ids: Tensor, counted: Tensor,
+                       scales: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The loss one step at a time (`soft_cross_entropy_steps`, one loss kernel per step and chunk);
+        returns (loss, CE sum per step [K], correct rows per step [K])."""
+        b, t = counted.shape
+        steps = len(normed_steps)
+        # one contiguous [n, .] block per sequence: shifted [B, T, Vd] teacher slices are not
+        # contiguous across the batch, and reshaping them would copy the teacher every step
+        normed_rows = [normed[i, : t - k - 1] for k, normed in enumerate(normed_steps) for i in range(b)]
+        targets = [(target_p[i, k + 1 :], target_ids[i, k + 1 :], counted[i, k + 1 :])
+                   for k in range(steps) for i in range(b)]
+        loss, ce, correct = soft_cross_entropy_steps(normed_rows, self.draft.lm_head.weight, targets, scales,
+                                                     self.loss_chunk)
+        rows_per_step = [(t - k - 1) * b for k in range(steps)]
+        correct_k = torch.stack([c.sum() for c in correct.split(rows_per_step)]).float()
+        return loss, ce.view(steps, b).sum(1), correct_k
+
+
+_unroll_loss = True
+
+
+def set_unroll_loss(enabled: bool) -> None:
+    """True: every TTT step's loss in one kernel per teacher block (the teacher read once for all steps);
+    False: one loss kernel per step (benchmarks compare both)."""
+    global _unroll_loss
+    _unroll_loss = enabled
 
 
 def counted_positions(loss_mask: Tensor, in_vocab: Tensor, ttt_steps: int) -> Tensor:

@@ -11,6 +11,12 @@ the same samples, each after a one-batch warm-up:
                    writer thread, manifest; fresh directory
 With `--dtypes bfloat16,float8_e4m3` capture and dump run once per `data.hidden_states_dtype`
 (rows `capture[float8_e4m3]`, `dump[float8_e4m3]`; the first dtype keeps the plain names).
+`--per-shard` adds `dump_per_shard` rows: the dump as it was before shards streamed (one capture_shard
+per shard, each with its own host copier, then the whole shard written and hashed on a writer thread),
+for a before/after in the same run. Each dump starts after `os.sync()` (outside its time), so one
+dump's writes never drain to disk during the next; each dump reports its `tail_s`: seconds from the
+moment the last shard's states were all on the host to the end of the dump (what is left to write
+and hash then), and each shard's writer start/end.
 Reports tok/s, the ratio to the plain forward (goal: dump >= 0.90), and the bytes written per
 token vs eagle3.environment.hidden_state_bytes (states) plus 9 B/token of ids and loss mask;
 then reads each dump back through HiddenStateDataset and checks one sample against a fresh capture
@@ -24,7 +30,9 @@ then reads each dump back through HiddenStateDataset and checks one sample again
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -84,6 +92,71 @@ def _batches(samples: list[dict], batch: int):
         yield _right_pad([s["input_ids"] for s in samples[b : b + batch]])
 
 
+def _capture_and_write_per_shard(extractor, todo, directory, batch_size, dtype, on_written) -> None:
+    """eagle3.data.dump._capture_and_write before shards streamed (kept here for the before/after):
+    capture_shard per shard (its own copier: every shard boundary waits for the GPU), then the whole
+    shard written and hashed by `_write_hidden_shard` on one of two writer threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eagle3.data.shards import _temp_name, _write_hidden_shard
+
+    pending: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+        name, members, write = pending.popleft()
+        digest, size = write.result()
+        os.replace(_temp_name(directory / name), directory / name)
+        on_written(name, members, digest, size)
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-writer") as writer:
+        for name, members in todo:
+            tensors = capture_shard(extractor, members, batch_size, dtype)
+            if len(pending) == 2:
+                finish_oldest()
+            pending.append((name, members, writer.submit(_write_hidden_shard, tensors, directory / name)))
+            del tensors
+        while pending:
+            finish_oldest()
+
+
+class DumpTimeline:
+    """When each shard's states were all on the host and when its writer ran (wraps eagle3.data.dump's
+    internals for one dump; times relative to the dump's start)."""
+
+    def __init__(self) -> None:
+        self.t0, self.complete, self.writes = 0.0, [], []
+
+    def __enter__(self):
+        import eagle3.data.dump as dump_mod
+
+        self.mod, self.saved = dump_mod, (dump_mod._ShardStream.rows_ready, dump_mod._write_streamed_shard,
+                                          dump_mod._capture_and_write)
+        timeline, (rows_ready, write, capture_and_write) = self, self.saved
+
+        def timed_rows_ready(stream, rows):
+            rows_ready(stream, rows)
+            if stream.complete():
+                timeline.complete.append(time.perf_counter() - timeline.t0)
+
+        def timed_write(stream, path):
+            start = time.perf_counter() - timeline.t0
+            out = write(stream, path)
+            timeline.writes.append({"shard": path.name, "start_s": start, "end_s": time.perf_counter() - timeline.t0})
+            return out
+
+        def timed_capture_and_write(*a, **kw):
+            timeline.t0 = time.perf_counter()
+            return capture_and_write(*a, **kw)
+
+        dump_mod._ShardStream.rows_ready = timed_rows_ready
+        dump_mod._write_streamed_shard = timed_write
+        dump_mod._capture_and_write = timed_capture_and_write
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mod._ShardStream.rows_ready, self.mod._write_streamed_shard, self.mod._capture_and_write = self.saved
+
+
 def timed(device: torch.device, fn) -> float:
     _sync(device)
     t0 = time.perf_counter()
@@ -122,10 +195,28 @@ def run(args) -> dict:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-capture-"))
     summaries: dict = {}
 
+    timelines: dict = {}
+
     def dump(name: str):
         shutil.rmtree(work / name, ignore_errors=True)
-        summaries[name] = dump_hidden_states(extractor, samples, work / name, configs[name], "bench",
-                                             lambda *a: None, lambda m: None)
+        with DumpTimeline() as timeline:
+            summaries[name] = dump_hidden_states(extractor, samples, work / name, configs[name], "bench",
+                                                 lambda *a: None, lambda m: None)
+            end = time.perf_counter() - timeline.t0
+        timelines[name] = {"tail_s": end - max(timeline.complete), "dump_s": end,
+                           "shard_complete_s": timeline.complete, "writes": timeline.writes}
+
+    def dump_per_shard(name: str):
+        import eagle3.data.dump as dump_mod
+
+        directory = work / f"{name}-per-shard"
+        shutil.rmtree(directory, ignore_errors=True)
+        saved, dump_mod._capture_and_write = dump_mod._capture_and_write, _capture_and_write_per_shard
+        try:
+            dump_hidden_states(extractor, samples, directory, configs[name], "bench", lambda *a: None, lambda m: None)
+        finally:
+            dump_mod._capture_and_write = saved
+        shutil.rmtree(directory, ignore_errors=True)
 
     warm = samples[: args.batch]  # cuBLAS/cuDNN set-up and the allocator's first blocks
     with torch.no_grad():
@@ -137,8 +228,12 @@ def run(args) -> dict:
     for i, name in enumerate(dtypes):
         suffix = "" if i == 0 else f"[{name}]"
         measures += [(f"capture{suffix}", lambda n=name: capture(n)), (f"dump{suffix}", lambda n=name: dump(n))]
+        if args.per_shard:
+            measures.append((f"dump_per_shard{suffix}", lambda n=name: dump_per_shard(n)))
     results = {}
     for measure, fn in measures:
+        if measure.startswith("dump"):
+            os.sync()  # the last dump's writes drain before this one starts, outside its time
         seconds = timed(device, fn)
         results[measure] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
         print(json.dumps({"measure": measure, **results[measure]}), flush=True)
@@ -147,7 +242,7 @@ def run(args) -> dict:
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "shape": shape, "seq": args.seq, "batch": args.batch, "samples": args.samples, "shard_size": args.shard_size,
-        "tokens": tokens, "results": results,
+        "tokens": tokens, "results": results, "timelines": timelines,
         "dtypes": {name: dtype_report(name, summaries[name], tokens, work / name, samples[0], extractor)
                    for name in dtypes},
     }
@@ -190,6 +285,10 @@ def print_table(report: dict) -> None:
     print(f"{'measure':<22}{'seconds':>9}{'tok/s':>11}{'vs forward':>12}")
     for name, r in report["results"].items():
         print(f"{name:<22}{r['seconds']:>9.2f}{r['tokens_per_s']:>11.0f}{r['ratio_to_forward']:>11.1%}")
+    for name, t in report.get("timelines", {}).items():
+        writes = ", ".join(f"{w['shard']} {w['start_s']:.2f}-{w['end_s']:.2f}" for w in t["writes"])
+        print(f"dump[{name}] timeline: shards complete at {', '.join(f'{c:.2f}' for c in t['shard_complete_s'])} s; "
+              f"tail {t['tail_s']:.2f} s of {t['dump_s']:.2f} s; writers {writes}")
     for name, d in report["dtypes"].items():
         print(f"{name}: {d['bytes_per_token']:.1f} B/token written; estimate {d['states_bytes_per_token_estimate']} "
               f"B/token of states + 9 B/token ids and mask = {d['bytes_per_token_estimate_with_ids_and_mask']}; "
@@ -206,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the dump goes (default: a tmp dir, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the dump")
     parser.add_argument("--dtypes", default="bfloat16", help="comma list of data.hidden_states_dtype values to dump")
+    parser.add_argument("--per-shard", action="store_true",
+                        help="also time the dump as it was before shards streamed (dump_per_shard rows)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
     args = parser.parse_args(argv)
     if args.tiny:

@@ -13,6 +13,9 @@ Variants (same initial weights, same batch, fresh AdamW each):
   fast_compiled_torch_adamw  fast_compiled with torch's fused AdamW kernel instead of the compiled update
   fast_compiled_unfused  the earlier path: separate q/k/v/gate/up GEMMs inside the compiled halves, each
                   step's weight gradient added up by autograd, FA2, torch's fused AdamW
+  fast_compiled_prev  fast_compiled as it was before the persistent weight copies and the one-kernel loss
+                  over all TTT steps (every weight cast each unroll, a loss kernel per step)
+  fast_compiled_nopersist / _steploss  fast_compiled without one of those two
   fast_compiled_bN  fast_compiled at batch N (e.g. fast_compiled_b2); `--max-batch` also tries the
                   largest batch the measured memory slope predicts to fit, then smaller ones on OOM
 MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal attention;
@@ -53,6 +56,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+import eagle3.draft.fused_layer as fused_layer  # noqa: E402
 import eagle3.draft.losses as losses  # noqa: E402
 import eagle3.draft.model as model_mod  # noqa: E402
 from eagle3.config import TrainConfig  # noqa: E402
@@ -61,6 +65,7 @@ from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # n
 from eagle3.training.train import train_draft  # noqa: E402
 from eagle3.training import adamw
 from eagle3.training.trainer import clip_and_step
+from eagle3.training import ttt as ttt_module
 from eagle3.training.ttt import Eagle3TTTModule
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -77,7 +82,8 @@ SHAPES = {"llama-3.1-8b": (LLAMA31_8B, 32), "kimi-k2.5": (KIMI_K25, 61)}  # shap
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
-EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused")  # only when named
+EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused",  # only when named
+                  "fast_compiled_prev", "fast_compiled_nopersist", "fast_compiled_steploss")
 # mode -> (devices, strategy); node-* go through `python -m eagle3.torchrun`, the launcher train.nodes
 # starts on every node (one node here, static rendezvous on 127.0.0.1)
 LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp"), "node": (1, "ddp"),
@@ -194,6 +200,8 @@ def reset_compiled(draft: Eagle3DraftModel) -> None:
     losses.uncompile_loss_chunk()
     adamw.uncompile_adamw()
     model_mod.set_causal_attention_backend("auto")
+    fused_layer.set_persistent_copies(True)
+    ttt_module.set_unroll_loss(True)
     draft.__dict__.pop("fused_layer_weights", None)
 
 
@@ -218,6 +226,10 @@ def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, devic
         model_mod.set_causal_attention_backend("flash")
     if variant.endswith("_unfused"):  # the earlier layer path: per-projection weights, autograd's grad sums
         draft.fused_layer_weights = lambda dtype: draft.cast_layer_weights(dtype) if dtype else None
+    if variant.endswith(("_unfused", "_prev", "_nopersist")):
+        fused_layer.set_persistent_copies(False)
+    if variant.endswith(("_unfused", "_prev", "_steploss")):
+        ttt_module.set_unroll_loss(False)
     module = Eagle3TTTModule(draft, TrainConfig(ttt_steps=ttt, loss_chunk_tokens=chunk, compile=False))
     return lambda: fast_loss(module, data, lm_head, chunk)
 
@@ -268,8 +280,10 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     ms, batch = statistics.median(times), data["input_ids"].shape[0]
     result = {"variant": variant, "batch": batch, "ms_per_step": ms, "ms_min": min(times), "ms_max": max(times),
               "tokens_per_s": batch * args.seq / (ms * 1e-3), "first_loss": first_loss, "first_grad_norm": first_grad_norm, "warmup_s": warmup_s,
+              "times_ms": times,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
-    if args.profile and variant == args.profile and device.type == "cuda":
+    result["persistent_weight_copies"] = len(fused_layer._persistent_copies)  # 0 where they do not apply
+    if args.profile and variant in args.profile.split(",") and device.type == "cuda":
         result["profile"] = profile_step(loss_fn, optimizer, params, device, autocast_dtype)
     reset_compiled(draft)
     del optimizer, loss_fn
@@ -305,9 +319,10 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
     categories: dict[str, float] = {}
     for name, ms, _ in kernels:
         categories[_kernel_category(name)] = categories.get(_kernel_category(name), 0.0) + ms
-    top = sorted(kernels, key=lambda k: -k[1])[:30]
+    top = sorted(kernels, key=lambda k: -k[1])[:80]
     return {"ms_by_category": categories, "device_ms_total": sum(categories.values()),
-            "top_kernels": [{"name": n[:120], "ms": ms, "calls": c} for n, ms, c in top]}
+            "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _kernel_category(n)}
+                            for n, ms, c in top]}
 
 
 # ---------------------------------------------------------------- the real trainer loop
@@ -525,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=8192, help="loss/teacher rows per chunk")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--profile", default="fast_compiled", help="variant to profile ('' = none)")
+    parser.add_argument("--profile", default="fast_compiled", help="comma list of variants to profile ('' = none)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--loop", action="store_true", help="run the real trainer loop (see the docstring)")
     parser.add_argument("--modes", default="single,ddp,fsdp", help=f"--loop: comma list from {sorted(LOOP_MODES)}")
@@ -582,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["mfu"] = flops["total"] * res["tokens_per_s"] / (report["matmul_tflops"] * 1e12)
                 res["mfu_ref"] = flops["total"] * res["tokens_per_s"] / (args.ref_tflops * 1e12)
         report["ref_tflops"] = args.ref_tflops
+    report["pooled"] = [{"variant": v, "batch": b, **row} for (v, b), row in pooled_repeats(report).items()]
     save_report(args, report)
     print_table(report)
     return 0
@@ -620,8 +636,7 @@ def find_max_batch(args, report, draft, lm_head, init_state, cfg, device, autoca
     """The largest fast_compiled batch that fits: predicted from the peak memory of two measured
     batches (linear in the batch), tried, then one smaller at a time on OOM."""
     done = {r["batch"]: r["peak_mem_gib"] for r in report["results"]
-            if r["variant"].startswith("fast_compiled") and r.get("peak_mem_gib") and "_flash" not in r["variant"]
-            and "_unfused" not in r["variant"]}
+            if r.get("peak_mem_gib") and (r["variant"] == "fast_compiled" or variant_batch(r["variant"], 0) > 0)}
     if len(done) < 2:
         print("bench_train --max-batch: needs two fast_compiled batches measured first (e.g. fast_compiled,"
               "fast_compiled_b2)")
@@ -665,6 +680,24 @@ def fsdp_rank_memory(report: dict, draft: Eagle3DraftModel, lm_head: torch.Tenso
             "end_of_backward_gib": end, "per_rank_gib": max(during, end)}
 
 
+def pooled_repeats(report: dict) -> dict:
+    """(variant, batch) measured more than once (`--variants a,b,a,b`): the median over all their steps."""
+    groups: dict = {}
+    for r in report["results"]:
+        if "times_ms" in r:
+            groups.setdefault((r["variant"], r["batch"]), []).append(r)
+    pooled = {}
+    for (variant, batch), rows in groups.items():
+        if len(rows) < 2:
+            continue
+        ms = statistics.median(t for r in rows for t in r["times_ms"])
+        tok_s = batch * report["seq"] / (ms * 1e-3)
+        pooled[(variant, batch)] = {"ms_per_step": ms, "tokens_per_s": tok_s, "rounds": len(rows),
+                                    "round_medians_ms": [round(r["ms_per_step"], 1) for r in rows],
+                                    "mfu_ref": report["flops_per_token"]["total"] * tok_s / (report["ref_tflops"] * 1e12)}
+    return pooled
+
+
 def print_table(report: dict) -> None:
     rates = (f" (before {report['matmul_tflops_start']:.3g}, after {report['matmul_tflops_end']:.3g})"
              if "matmul_tflops_end" in report else "")
@@ -681,6 +714,13 @@ def print_table(report: dict) -> None:
         print(f"{r['variant']:<18}{r['batch']:>6}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.0f}"
               f"{100 * r['mfu']:>7.1f}%{100 * r['mfu_ref']:>8.1f}%{mem:>10}{r['first_loss']:>10.4f}"
               f"{r['first_grad_norm']:>10.4f}")
+    pooled = pooled_repeats(report)
+    if pooled:
+        print(f"\nvariants measured more than once (alternating, so clock drift hits each alike): median of all "
+              f"their steps")
+        for (variant, batch), row in pooled.items():
+            print(f"{variant:<18}{batch:>6}{row['ms_per_step']:>10.1f}{row['tokens_per_s']:>10.0f}{'':>8}"
+                  f"{100 * row['mfu_ref']:>8.1f}%   rounds {row['rounds']}, medians {row['round_medians_ms']}")
     for r in report["results"]:
         if "profile" in r:
             prof = r["profile"]
@@ -691,8 +731,8 @@ def print_table(report: dict) -> None:
                   f"run the useful non-attention FLOPs at {gemm_tflops:.0f} TFLOP/s):")
             for cat, ms in sorted(prof["ms_by_category"].items(), key=lambda kv: -kv[1]):
                 print(f"  {cat:<20}{ms:>8.2f}")
-            for k in prof["top_kernels"][:22]:
-                print(f"  {k['ms']:>7.2f} ms x{k['calls']:<4} {k['name'][:90]}")
+            for k in prof["top_kernels"][:40]:
+                print(f"  {k['ms']:>7.2f} ms x{k['calls']:<4} {k['name'][:110]}")
     if report.get("max_batch_prediction"):
         pred = report["max_batch_prediction"]
         print(f"\nmemory: {pred['fixed_gib']:.1f} GiB + {pred['gib_per_sample']:.2f} GiB/sample of {pred['device_gib']:.0f}"
