@@ -8,6 +8,7 @@ markdown table artifact on the flow run).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,14 +42,17 @@ def needs_for(cfg: ExperimentConfig) -> Needs:
 
 
 def data_stage_bytes(cfg: ExperimentConfig) -> int:
-    """Upper bound of what generate_data writes: tokens x (aux layers + last) x hidden in the dump's dtype
-    (`data.hidden_states_dtype`, fp8 scales included)."""
-    if cfg.data.hidden_states != "offline":
+    """Upper bound of the hidden states the data host keeps: tokens x (aux layers + last) x hidden in the dump's
+    dtype (`data.hidden_states_dtype`, fp8 scales included) -- every sample offline; streamed, the validation
+    split plus the stream's budget."""
+    data = cfg.data
+    if data.hidden_states == "online":
         return 0
+    samples = data.num_samples if data.hidden_states == "offline" else math.ceil(data.num_samples * data.validation_fraction)
     hidden = _target_hidden_size(cfg)
     num_aux = len(set(cfg.target.aux_layer_ids)) if cfg.target.aux_layer_ids else 3
-    return hidden_state_bytes(cfg.data.num_samples * cfg.data.max_length, hidden, num_aux,
-                              dtype=cfg.data.hidden_states_dtype)
+    stored = hidden_state_bytes(samples * data.max_length, hidden, num_aux, dtype=data.hidden_states_dtype)
+    return stored + (int(data.stream.disk_budget_gb * 1e9) if data.hidden_states == "stream" else 0)
 
 
 def _target_hidden_size(cfg: ExperimentConfig) -> int:

@@ -55,7 +55,7 @@ def test_sweep_expands_into_validated_variants():
 def test_resolved_config_has_defaults_and_the_chain_setting():
     cfg = load_experiment(REPO / "configs/kimi-k2.5-int4.yaml")
     assert (cfg.deploy.speculative.num_steps, cfg.deploy.speculative.eagle_topk, cfg.deploy.speculative.num_draft_tokens) == (3, 1, 4)
-    assert cfg.data.num_samples == 10_000 and cfg.hosts[0].port == 22
+    assert cfg.data.num_samples == 100_000 and cfg.data.stream.disk_budget_gb == 1000 and cfg.hosts[0].port == 22
 
 
 # (replace this line of BASE, with this text) -> (line of the error, expected message fragment)

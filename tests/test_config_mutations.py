@@ -253,7 +253,7 @@ def schema_mutations() -> list[Mutation]:
             line = doc.set(path + (first + "_x",), "1")
             if line is not None:
                 cases.append(Mutation(f"unknown {dotted}@{name}", {name: doc.text()}, name, f"{name}:{line}",
-                                      f"{dotted}: unknown field (allowed: {first},"))
+                                      f"{dotted}: unknown field (allowed: {first}"))  # `,` or `)`: one field
                 break
     return cases
 

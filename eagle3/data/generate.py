@@ -272,7 +272,7 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
         "paths": {
             "samples": str(out_dir / SAMPLES_FILE),
             "vocab": str(out_dir / "vocab"),
-            "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states == "offline" else None,
+            "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states != "online" else None,
             "failed": str(out_dir / FAILED_FILE) if meta.get("failed") else None,
         },
     }

@@ -32,6 +32,7 @@ from eagle3.data.tiny_target import build_tiny_target
 from flows.experiment import eagle3_experiment
 from tasks.remote.ssh import SSHExecutor
 from tasks.rundir import RunDirectory
+from eagle3.data.placement import SIMULATED_DEVICES_ENV
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,14 +94,16 @@ def tiny_target(tmp_path_factory) -> Path:
     return build_tiny_target(TinyTargetConfig(**tiny), tmp_path_factory.mktemp("rehearsal-targets"))
 
 
-def host_python(tmp_path: Path, sglang_python: Path, forbid_hf: bool) -> Path:
-    """The GPU host's Python: the SGLang venv with eagleops importable (as `pip install eagleops` makes it)."""
+def host_python(tmp_path: Path, sglang_python: Path, forbid_hf: bool, simulated_devices: str | None) -> Path:
+    """The GPU host's Python: the SGLang venv with eagleops importable (as `pip install eagleops` makes it);
+    `simulated_devices` makes the host look like several GPUs to the HF engine's placement."""
     site = tmp_path / "host-site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FORBID_HF_WEIGHTS)
     wrapper = tmp_path / "host-python"
     flag = "REHEARSAL_FORBID_HF_WEIGHTS=1 " if forbid_hf else ""
-    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH="{site}:{REPO}" OMP_NUM_THREADS=1 {flag}\n'
+    devices = f"{SIMULATED_DEVICES_ENV}={simulated_devices} " if simulated_devices else ""
+    wrapper.write_text(f'#!/bin/sh\nexport PYTHONPATH="{site}:{REPO}" OMP_NUM_THREADS=1 {flag}{devices}\n'
                        f'exec "{sglang_python}" "$@"\n')
     wrapper.chmod(0o755)
     return wrapper
@@ -127,12 +130,17 @@ def rehearsal_config(shipped: Path, tmp_path: Path, sshd, python: Path, model: P
     data["regenerate"].update({"concurrency": 2, "max_new_tokens": 24, "temperature": 0.0, "timeout_s": 120,
                                "deploy": {"host": name, "servers": 1}})
     data["capture"] = {"tp": 1, "max_batch_tokens": 1024}
+    if data["hidden_states"] == "stream":  # at CPU scale too: shards every step, 2 epochs (each captured), a budget
+        data.update({"shard_size": 1, "stream": {"disk_budget_gb": 0.01}})  # this disk has
     cfg["train"].update({"devices": 1, "epochs": 1, "max_steps": 4, "precision": "auto", "num_workers": 0,
                          "checkpoint_every": 2, "eval_every": 4, "log_every": 1})
+    if data["hidden_states"] == "stream":
+        cfg["train"]["epochs"] = 2
     cfg["train"].pop("draft", None)  # the draft takes the tiny target's shape
     cfg["deploy"].update({"server": "reference", "port": free_port(), "model_path": str(model), "tp": 1,
                           "startup_timeout_s": 240})
     cfg["deploy"].pop("mem_fraction_static", None)
+    cfg["target"].pop("placement", None)  # the host's devices are simulated instead (host_python)
     cfg["bench"].update({"num_prompts": 2, "warmup_runs": 0, "timed_runs": 1, "max_new_tokens": 16,
                          "concurrency": [1], "min_speedup": None})
     cfg["tracking"] = {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment_name": f"rehearsal-{shipped.stem}"}
@@ -141,7 +149,18 @@ def rehearsal_config(shipped: Path, tmp_path: Path, sshd, python: Path, model: P
     return path, {"workdir": workdir, "name": name}
 
 
-SHIPPED = ["llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml"]
+SHIPPED = ["llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml", "llama-3.1-70b.yaml"]
+
+
+def three_devices(target: Path) -> str:
+    """EAGLEOPS_SIMULATED_DEVICES for the tiny target: three devices with room for the embeddings and two
+    layers each, so its 7 layers need all three (as a 70B target needs several GPUs)."""
+    from eagle3.data.target import load_target
+
+    model, _ = load_target(target)
+    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    embed = model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    return f"3x{(embed + 2.5 * layer) / 1e3:.1f}KB"
 
 
 @pytest.mark.slow
@@ -149,10 +168,13 @@ SHIPPED = ["llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml"]
 def test_the_shipped_gpu_config_runs_every_stage_where_the_cluster_would(
         config_name, prefect_harness, sshd, sglang_python, tiny_target, tmp_path, monkeypatch):
     shipped = REPO / "configs" / config_name
-    engine = yaml.safe_load(shipped.read_text())["target"]["engine"]
+    shipped_cfg = yaml.safe_load(shipped.read_text())
+    engine, streamed = shipped_cfg["target"]["engine"], shipped_cfg["data"]["hidden_states"] == "stream"
+    placed = "placement" in shipped_cfg["target"]  # the HF engine over several GPUs
     model = tmp_path / "host-models" / "target"
     shutil.copytree(tiny_target, model)  # the weights are on the GPU host before the run starts
-    python = host_python(tmp_path, sglang_python, forbid_hf=engine == "sglang")
+    python = host_python(tmp_path, sglang_python, forbid_hf=engine == "sglang",
+                         simulated_devices=three_devices(model) if placed else None)
     config, host = rehearsal_config(shipped, tmp_path, sshd, python, model)
     transfers = Transfers(monkeypatch)
     if engine == "sglang":  # ... and in this process, the orchestrator
@@ -174,9 +196,22 @@ def test_the_shipped_gpu_config_runs_every_stage_where_the_cluster_would(
     # data: regenerated by servers on the host, captured and sharded there, by the configured engine
     shards = list(workdir.glob("data/**/dataset/hidden_states/*.safetensors"))
     manifest = json.loads(next(workdir.glob("data/**/dataset/hidden_states/manifest.json")).read_text())
-    assert shards and manifest["complete"] and len(manifest["shards"]) == len(shards)
+    assert manifest["complete"] and len(manifest["shards"]) == len(shards)
     assert manifest["engine"]["name"] == {"sglang": "sglang", "hf": "transformers"}[engine]
     assert list(workdir.glob("data/**/dataset/samples.jsonl"))
+    if streamed:  # the data stage captured the validation split only; the train split streamed during training
+        assert manifest["splits"] == ["validation"]
+        stream = json.loads(next(workdir.glob("train/**/node-0/draft/stream/manifest.json")).read_text())
+        assert stream["engine"]["name"] == manifest["engine"]["name"] and stream["shards"] == []  # all consumed
+        summary = stages["train_draft"]["summary"]["stream"]
+        assert summary["shards_captured"] == summary["shards"] >= 2 and summary["disk_high_water_bytes"] > 0
+        assert [e["epoch"] for e in summary["epochs"]] == [0, 1]  # each epoch captured again
+    else:
+        assert shards
+    if placed:  # the HF engine split the target over the (simulated) GPUs, in layer order
+        device_map = stream["engine"]["device_map"] if streamed else manifest["engine"]["device_map"]
+        layers = [device_map[f"model.layers.{i}"] for i in range(7)]
+        assert len(set(layers)) == 3 and layers == sorted(layers), device_map
     served = json.loads((run_dir / "servers.json").read_text())
     regen = [s for s in served.values() if s["label"].startswith("regenerate")]
     assert regen and {s["host"] for s in served.values()} == {host["name"]} and {s["status"] for s in served.values()} == {"stopped"}
