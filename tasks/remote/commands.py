@@ -132,7 +132,6 @@ with open(sys.argv[1], "rb") as f:
         digest.update(block)
 print(digest.hexdigest())
 """
-_SIZE_SCRIPT = '[ -f "$1" ] || exit 3; wc -c < "$1"'
 # Files under $1 (symlinks followed, as `scp -r` does), relative to it, NUL-separated so any
 # file name survives.
 _LIST_FILES_SCRIPT = '[ -d "$1" ] || exit 3; cd "$1" && exec find -L . -type f -print0'

@@ -3,7 +3,7 @@
 Owns `_VerifiedTransfers`, the upload and download half of the executor base (built on its
 `run` and `expand_path`, and on the `_open_process` byte streams each executor implements), the
 client's side of the exchange with transfer_host.py (which runs on the host, one command per
-file), the host's sha256 and size of a file, the result types, `sha256_file`, `ByteProgress`.
+file), the host's sha256 of a file, the result types, `sha256_file`, `ByteProgress`.
 
 Each side hashes the bytes in the same pass that moves them: the client while it reads and
 sends (or receives and writes), the host while it receives and writes (or reads and sends). The
@@ -39,7 +39,6 @@ from tasks.remote.commands import (
     _LIST_FILES_SCRIPT,
     _SHA256_PY,
     _SHA256_SCRIPT,
-    _SIZE_SCRIPT,
     MISSING,
     _sh,
     shell_command,
@@ -283,14 +282,6 @@ class _VerifiedTransfers(abc.ABC):
             raise RemoteError(f"[{self.name}] sha256 of {path}: unexpected output {result.stdout!r}")
         return digest
 
-    def file_size(self, path: str) -> int | None:
-        result = self.run(_sh(_SIZE_SCRIPT, self.expand_path(path)), check=False, log_output=False, timeout=60)
-        if result.exit_status == MISSING:
-            return None
-        if result.exit_status != 0:
-            raise CommandFailed(self.name, f"size {path}", ["wc", "-c", path], result.exit_status, "", result.stderr)
-        return int(result.stdout.strip())
-
     # -- uploads
     def upload_file(self, local: str | Path, remote: str, progress: Progress | None = None, *,
                     reconnects: int = 2) -> UploadResult:
@@ -328,7 +319,7 @@ class _VerifiedTransfers(abc.ABC):
         first = self._upload_attempt(local, remote, progress, resume=True)
         attempts = [first]
         if not first.verified:
-            logger().warning("[%s] %s.part: sha256 %s != local %s (kept %d bytes of an earlier attempt); sending "
+            logger().warning("[%s] %s.part: sha256 %s != local %s (kept %d bytes already on the host); sending "
                              "again from zero", self.name, remote, first.host_sha256, first.sha256, first.resumed_from)
             attempts.append(self._upload_attempt(local, remote, progress, resume=False))
             if not attempts[-1].verified:
