@@ -49,20 +49,21 @@ def write_random_file(path: Path, size: int) -> None:
             left -= len(block)
 
 
-def scp(server: SshdServer, source: str, target: str) -> None:
+def scp(server: SshdServer, source: str, target: str, *options: str) -> None:
     subprocess.run(
         ["scp", "-q", "-P", str(server.port), "-i", str(server.user_key), "-o", "BatchMode=yes",
-         "-o", f"UserKnownHostsFile={server.known_hosts}", "-o", "StrictHostKeyChecking=yes", source, target],
+         "-o", f"UserKnownHostsFile={server.known_hosts}", "-o", "StrictHostKeyChecking=yes", *options, source,
+         target],
         check=True, timeout=3600,
     )
 
 
-def upload_with_scp(server: SshdServer, src: Path, dest: str) -> None:
-    scp(server, str(src), f"{server.user}@127.0.0.1:{dest}")
+def upload_with_scp(server: SshdServer, src: Path, dest: str, options: tuple[str, ...] = ()) -> None:
+    scp(server, str(src), f"{server.user}@127.0.0.1:{dest}", *options)
 
 
-def download_with_scp(server: SshdServer, src: Path, dest: str) -> None:
-    scp(server, f"{server.user}@127.0.0.1:{src}", dest)
+def download_with_scp(server: SshdServer, src: Path, dest: str, options: tuple[str, ...] = ()) -> None:
+    scp(server, f"{server.user}@127.0.0.1:{src}", dest, *options)
 
 
 def upload_with_scp_then_verify(server: SshdServer, src: Path, dest: str) -> None:
@@ -103,6 +104,9 @@ def upload_with_sftp_put(server: SshdServer, src: Path, dest: str) -> None:
 
 
 UPLOAD_SCP, DOWNLOAD_SCP = "upload: scp (OpenSSH)", "download: scp (OpenSSH)"
+# scp's default cipher is chacha20-poly1305; ours is aes128-gcm (ssh.py FAST_CIPHER). The rows
+# with this option show how much of a ratio is the cipher and how much is the transfer itself.
+SAME_CIPHER = ("-c", "aes128-gcm@openssh.com")
 Variant = Callable[[SshdServer, Path, str], "dict | None"]
 
 
@@ -110,10 +114,12 @@ def variants(host: HostConfig) -> dict[str, Variant]:
     """Each variant by name; ours run against `host` (the sshd, with the host python asked for)."""
     return {
         UPLOAD_SCP: upload_with_scp,
+        "upload: scp -c aes128-gcm (our cipher; plain copy)": partial(upload_with_scp, options=SAME_CIPHER),
         "upload: scp + remote openssl dgst (a second pass on the host)": upload_with_scp_then_verify,
         "upload: upload_file (aes128-gcm, hashed while streaming, verified)": partial(upload_with_executor, host),
         "upload: paramiko SFTPClient.put, defaults": upload_with_sftp_put,
         DOWNLOAD_SCP: download_with_scp,
+        "download: scp -c aes128-gcm (our cipher; plain copy)": partial(download_with_scp, options=SAME_CIPHER),
         "download: download_file (aes128-gcm, hashed while streaming, verified)": partial(download_with_executor,
                                                                                           host),
     }
