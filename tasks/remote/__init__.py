@@ -10,7 +10,10 @@ Modules, each importing only those listed before it; each docstring names the ri
 - errors: `RemoteError` and its subclasses.
 - commands: argv as one quoted shell line, secret env values masked, output streams, the helper
   shell scripts.
-- transfers: uploads and downloads that are verified and atomic (the executor base's half for files).
+- transfer_host: the host's half of transfers, sent to the host's python as its source (standard
+  library only, imports nothing from this project).
+- transfers: uploads and downloads hashed on both sides while they stream, verified and atomic (the
+  executor base's half for files).
 - executor: the `Executor` protocol, the base both executors share, `LocalExecutor`.
 - channels: paramiko channel primitives (never select() on a channel).
 - host_keys: known_hosts files and names, fingerprints, refusing unknown or changed keys.

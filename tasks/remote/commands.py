@@ -28,7 +28,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MASK = "****"
 # Exit status of `timeout` when it had to stop the command (TERM, then KILL).
 TIMEOUT_EXIT_STATUSES = (124, 137)
-MISSING = 3  # exit status the helper scripts below use for "no such file" (or process)
+MISSING = 3  # exit status the helper scripts below (and transfer_host.py) use for "no such file" (or process)
 NOT_OURS = 4  # _KILL_GROUP_SCRIPT: the pid belongs to another process than the one recorded
 
 
@@ -131,21 +131,6 @@ with open(sys.argv[1], "rb") as f:
     for block in iter(lambda: f.read(1 << 20), b""):
         digest.update(block)
 print(digest.hexdigest())
-"""
-_SIZE_SCRIPT = '[ -f "$1" ] || exit 3; wc -c < "$1"'
-# Upload bookkeeping in one round trip each (every exec costs a shell start on the host):
-# before sending, create the directory and report whether dest exists and the `.part` size;
-# after sending, hash the `.part` and rename it only if the hash is the expected one.
-_UPLOAD_PROBE_SCRIPT = """mkdir -p "$(dirname "$1")" || exit 1
-if [ -e "$1" ]; then echo 1; else echo 0; fi
-if [ -f "$2" ]; then wc -c < "$2"; else echo 0; fi
-"""
-_UPLOAD_COMMIT_SCRIPT = """part=$1; dest=$2; want=$3
-if command -v openssl >/dev/null 2>&1; then got=$(openssl dgst -sha256 -r "$part") || exit 1
-else got=$("$4" -c "$5" "$part") || exit 1; fi
-got=${got%% *}
-if [ "$got" = "$want" ]; then mv -f "$part" "$dest" || exit 1; fi
-echo "$got"
 """
 # Files under $1 (symlinks followed, as `scp -r` does), relative to it, NUL-separated so any
 # file name survives.

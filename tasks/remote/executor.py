@@ -50,8 +50,7 @@ from tasks.remote.transfers import (
     DownloadResult,
     Progress,
     UploadResult,
-    _FileSink,
-    _Sink,
+    _HostProcess,
     _VerifiedTransfers,
 )
 
@@ -85,8 +84,8 @@ class Executor(Protocol):
 
 
 class _ExecutorBase(_VerifiedTransfers):
-    """Everything both executors share, built on `_execute` (run one shell line), `_open_sink` and
-    `_open_source` (uploads and downloads: transfers.py)."""
+    """Everything both executors share, built on `_execute` (run one shell line) and `_open_process`
+    (a shell line whose stdin and stdout carry an upload or a download: transfers.py)."""
 
     name: str
     python: str
@@ -223,16 +222,8 @@ class LocalExecutor(_ExecutorBase):
     def _home(self) -> str:
         return str(Path.home())
 
-    def _open_sink(self, path: str, append: bool) -> _Sink:
-        return _FileSink(path, append)
-
-    def _open_source(self, path: str) -> Iterator[bytes]:
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"[{self.name}] {path}: no such file to download") from None
-        with f:
-            yield from iter(lambda: f.read(1 << 20), b"")
+    def _open_process(self, command: str) -> _HostProcess:
+        return _LocalProcess(command)
 
     def _execute(self, command: str, stdin: bytes | None, out: _OutputStream, err: _OutputStream,
                  deadline: float | None) -> int | None:
@@ -263,6 +254,54 @@ class LocalExecutor(_ExecutorBase):
     def forward(self, remote_port: int) -> Iterator[int]:
         """The host is this machine: its 127.0.0.1:`remote_port` is reachable as is."""
         yield remote_port
+
+
+class _LocalProcess:
+    """LocalExecutor: the shell line under `sh -c` with stdin and stdout as pipes; stderr kept by a thread.
+
+    The same transfer_host.py exchange an SSH host runs, so both executors share one code path for
+    transfers. Python ignores SIGPIPE, so writing to a command that ended raises BrokenPipeError,
+    as `_HostProcess` asks.
+    """
+
+    write_size = 1 << 20
+
+    def __init__(self, command: str):
+        self._proc = subprocess.Popen(["sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+        self._stderr: list[bytes] = []
+        self._reader = threading.Thread(target=_read_all, args=(self._proc.stderr, self._stderr), daemon=True)
+        self._reader.start()
+
+    def write(self, data: bytes) -> None:
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def close_stdin(self) -> None:
+        with contextlib.suppress(BrokenPipeError):
+            self._proc.stdin.close()
+
+    def read(self) -> bytes:
+        return self._proc.stdout.read1(1 << 20)
+
+    def wait(self) -> tuple[int, str]:
+        self.close_stdin()
+        status = self._proc.wait()
+        self._reader.join()
+        return (status if status >= 0 else 128 - status), b"".join(self._stderr).decode(errors="replace")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:  # the transfer failed half way: stop the command with it
+            _kill_session(self._proc)
+        self.close_stdin()
+        self._proc.stdout.close()
+        self._reader.join()
+
+
+def _read_all(pipe, parts: list[bytes]) -> None:
+    with pipe:
+        for block in iter(lambda: pipe.read1(1 << 16), b""):
+            parts.append(block)
 
 
 def _write_and_close(pipe, data: bytes) -> None:

@@ -1,14 +1,15 @@
 """`SSHExecutor`: an inventory host over SSH (paramiko), reconnecting on the next call after a drop.
 
 Owns connecting (bounded retries, key files, jump hosts, a fast cipher, the client's rekey
-threshold), commands on exec channels, and the byte streams uploads and downloads use: `cat`
-on an exec channel in both directions. Host keys are checked as host_keys.py says; tunnels
-are tunnel.py.
+threshold, no Nagle delay), commands on exec channels, and the byte streams uploads and
+downloads use: transfer_host.py on an exec channel, its stdin written and its stdout read.
+Host keys are checked as host_keys.py says; tunnels are tunnel.py.
 
 Risk, and what guards it:
-- Upload speed: paramiko's SFTP `put` runs at ~0.36x scp; streaming into `cat` on an exec
-  channel with aes128-gcm and packet-sized writes runs at ~0.93x (see
-  /work/shared/reference/transfer-and-serving-perf.md, Part 1).
+- Transfer speed: paramiko's SFTP `put` runs at ~0.36x scp; streaming over an exec channel
+  with aes128-gcm, packet-sized writes and reads larger than the channel window runs at scp's
+  speed or better (see /work/shared/reference/transfer-and-serving-perf.md, Part 1, and
+  tests/benchmarks/NOTES_upload.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
+import socket
 import threading
 import time
 from typing import Iterator, Sequence
@@ -26,7 +27,7 @@ import paramiko
 from tasks.config import HostConfig
 from tasks.remote.channels import _close_quietly, _open_direct_tcpip, _pump
 from tasks.remote.commands import _OutputStream
-from tasks.remote.errors import CommandFailed, ConnectError, ConnectionLost, RemoteError
+from tasks.remote.errors import ConnectError, ConnectionLost, RemoteError
 from tasks.remote.executor import _ExecutorBase
 from tasks.remote.host_keys import (
     _changed_key_error,
@@ -34,7 +35,7 @@ from tasks.remote.host_keys import (
     known_hosts_path,
 )
 from tasks.remote.log import logger
-from tasks.remote.transfers import _Sink
+from tasks.remote.transfers import _HostProcess
 from tasks.remote.tunnel import _Tunnel
 
 FAST_CIPHER = "aes128-gcm@openssh.com"
@@ -46,9 +47,9 @@ KEEPALIVE_S = 30
 # depending on the cipher"), a server-started rekey does not hit that bug, so paramiko's own
 # threshold is set far above the server's.
 CLIENT_REKEY_BYTES = 2**37
-# One download read takes up to this much: more than paramiko's 2 MiB channel window (see
-# _channel_source).
-DOWNLOAD_READ_BYTES = 1 << 22
+# One read of a transfer's stdout takes up to this much: more than paramiko's 2 MiB channel
+# window (see _ChannelProcess).
+READ_BYTES = 1 << 22
 # A blocked send or a silent peer for this long means the connection is gone.
 CHANNEL_IO_TIMEOUT_S = 120.0
 
@@ -141,6 +142,7 @@ class SSHExecutor(_ExecutorBase):
             client.close()
             raise
         client.get_transport().set_keepalive(KEEPALIVE_S)
+        _no_nagle(client.get_transport().sock)
         return client
 
     def _jump_channel(self) -> paramiko.Channel | None:
@@ -217,11 +219,8 @@ class SSHExecutor(_ExecutorBase):
         finally:
             _close_quietly(channel)
 
-    def _open_sink(self, path: str, append: bool) -> _Sink:
-        return _ChannelSink(self, path, append)
-
-    def _open_source(self, path: str) -> Iterator[bytes]:
-        return _channel_source(self, path)
+    def _open_process(self, command: str) -> _HostProcess:
+        return _ChannelProcess(self, command)
 
     @contextlib.contextmanager
     def forward(self, remote_port: int) -> Iterator[int]:
@@ -248,75 +247,79 @@ def _load_key(host: HostConfig) -> paramiko.PKey | None:
         raise ConnectError(f"hosts[{host.name}].key_file: cannot load {path}: {err}") from None
 
 
-class _ChannelSink:
-    """SSHExecutor: bytes streamed into `cat` on an exec channel, in packet-sized writes.
+def _no_nagle(sock) -> None:
+    """TCP_NODELAY on the connection's socket (a jump host's channel has none to set).
 
-    `Channel.sendall` re-slices its whole buffer after every packet (paramiko #2659), so
-    handing it more than one packet costs CPU; `out_max_packet_size - 64` leaves room for the
-    packet header.
+    Opening a channel and starting a command are small request/reply messages; with Nagle on,
+    each waits for the peer's delayed ACK (~40 ms per channel open measured on loopback), which
+    every command and every transfer pays. Bulk data goes in whole packets either way.
+    """
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _ChannelProcess:
+    """SSHExecutor: a command on an exec channel; stdin in packet-sized writes, stdout by blocking recv.
+
+    `Channel.sendall` re-slices its whole buffer after every packet (paramiko #2659), so handing
+    it more than one packet costs CPU; `out_max_packet_size - 64` leaves room for the packet
+    header. Reads ask for more than the channel window (2 MiB) so each takes the whole buffer:
+    paramiko drops a partial read from the front of its buffer (`del buf[:n]`), a copy of what
+    is left per read (256 MiB on loopback streamed at ~190 MB/s with 64 KiB reads, ~270 MB/s
+    with 4 MiB). Stderr is drained on the way so it can never hold the channel's window. Never
+    select() on the channel (channels.py says why).
     """
 
-    def __init__(self, executor: SSHExecutor, path: str, append: bool):
-        self.executor, self.path = executor, path
+    def __init__(self, executor: SSHExecutor, command: str):
+        self.name = executor.name
         self.channel = executor._open_channel()
+        self._stderr = _OutputStream(f"{executor.name} stderr", log_lines=False)
         try:
-            self.channel.exec_command(f"cat {'>>' if append else '>'} {shlex.quote(path)}")
+            self.channel.exec_command(command)
         except (OSError, EOFError, paramiko.SSHException) as err:
             _close_quietly(self.channel)
-            raise ConnectionLost(f"[{executor.name}] upload to {path}: {err}") from err
-        self.chunk_size = self.channel.out_max_packet_size - 64
+            raise ConnectionLost(f"[{self.name}] could not start a transfer: {err}") from err
+        self.write_size = self.channel.out_max_packet_size - 64
 
     def write(self, data: bytes) -> None:
         try:
             self.channel.sendall(data)
         except (OSError, EOFError, paramiko.SSHException) as err:
-            raise ConnectionLost(f"[{self.executor.name}] upload to {self.path} cut: {err}") from err
+            if self._command_ended():
+                raise BrokenPipeError(f"[{self.name}] the command on the host ended") from err
+            raise ConnectionLost(f"[{self.name}] transfer cut: {err}") from err
 
-    def finish(self) -> None:
-        err = _OutputStream(f"{self.executor.name} stderr", log_lines=False)
+    def close_stdin(self) -> None:
         try:
             self.channel.shutdown_write()
-            status = _pump(self.channel, err, err, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
-        except (OSError, EOFError, paramiko.SSHException) as error:
-            raise ConnectionLost(f"[{self.executor.name}] upload to {self.path} cut: {error}") from error
-        finally:
-            _close_quietly(self.channel)
-        err.close()
-        if status is None or (status == -1 and not self.channel.get_transport().is_active()):
-            raise ConnectionLost(f"[{self.executor.name}] upload to {self.path}: no exit status from cat")
-        if status != 0:
-            raise CommandFailed(self.executor.name, f"cat > {self.path}", ["cat", self.path], status, "", err.text)
+        except (OSError, EOFError, paramiko.SSHException) as err:
+            raise ConnectionLost(f"[{self.name}] transfer cut: {err}") from err
 
-    def abort(self) -> None:
+    def read(self) -> bytes:
+        try:  # a silent host times out (CHANNEL_IO_TIMEOUT_S): OSError
+            data = self.channel.recv(READ_BYTES)
+            if self.channel.recv_stderr_ready():
+                self._stderr.feed(self.channel.recv_stderr(1 << 16))
+        except (OSError, EOFError, paramiko.SSHException) as err:
+            raise ConnectionLost(f"[{self.name}] transfer cut: {err}") from err
+        return data
+
+    def wait(self) -> tuple[int, str]:
+        leftover = _OutputStream(f"{self.name} stdout", log_lines=False)
+        try:
+            status = _pump(self.channel, leftover, self._stderr, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
+        except (OSError, EOFError, paramiko.SSHException) as err:
+            raise ConnectionLost(f"[{self.name}] transfer cut: {err}") from err
+        self._stderr.close()
+        # A cut connection closes the channel without an exit status and without EOF (and paramiko
+        # unlinks channels before it marks the transport inactive, so is_active() can still say True).
+        if status is None or (status == -1 and not self.channel.eof_received):
+            raise ConnectionLost(f"[{self.name}] the channel closed before the command on the host ended")
+        return status, self._stderr.text
+
+    def close(self) -> None:
         _close_quietly(self.channel)
 
-
-def _channel_source(executor: SSHExecutor, path: str) -> Iterator[bytes]:
-    """SSHExecutor: the stdout of `cat` on an exec channel, read with blocking recv (never select).
-
-    Reads ask for more than the channel window (2 MiB) so each takes the whole buffer: paramiko
-    drops a partial read from the front of its buffer (`del buf[:n]`), a copy of what is left
-    per read (256 MiB on loopback streamed at ~190 MB/s with 64 KiB reads, ~270 MB/s with
-    4 MiB). Stderr is drained on the way so it can never hold the channel's window.
-    """
-    channel = executor._open_channel()
-    err = _OutputStream(f"{executor.name} stderr", log_lines=False)
-    try:
-        try:
-            channel.exec_command(f"cat {shlex.quote(path)}")
-            while data := channel.recv(DOWNLOAD_READ_BYTES):
-                yield data
-                if channel.recv_stderr_ready():
-                    err.feed(channel.recv_stderr(1 << 16))
-            status = _pump(channel, err, err, time.monotonic() + CHANNEL_IO_TIMEOUT_S)
-        except (OSError, EOFError, paramiko.SSHException) as error:  # a silent host times out: OSError
-            raise ConnectionLost(f"[{executor.name}] download of {path} cut: {error}") from error
-    finally:
-        _close_quietly(channel)
-    err.close()
-    # A cut connection closes the channel without EOF (and paramiko unlinks channels before it
-    # marks the transport inactive, so is_active() can still say True here).
-    if status is None or (status == -1 and not channel.eof_received):
-        raise ConnectionLost(f"[{executor.name}] download of {path}: the channel closed before cat ended")
-    if status != 0:
-        raise CommandFailed(executor.name, f"cat {path}", ["cat", path], status, "", err.text)
+    def _command_ended(self) -> bool:
+        """Whether the host's command exited (its status arrived), as opposed to the connection dropping."""
+        return self.channel.exit_status_ready() and self.channel.recv_exit_status() != -1
