@@ -9,7 +9,7 @@ randperm(seed + e) order and every epoch is captured again). Before writing a sh
 room: the shards on disk plus this one must fit `data.stream.disk_budget_gb`. Shards every rank
 has consumed that lie behind rank 0's last checkpoint are deleted at once (never read again);
 consumed shards ahead of it are kept while the budget allows -- a training side killed before
-its next checkpoint then resumes without recapturing them -- and evicted, oldest first, when
+its next checkpoint then resumes without recapturing them -- and evicted, latest first, when
 the room is needed. When the budget is full of shards training has not consumed, it waits.
 
 Resume: a shard is written under a hidden temp name, renamed when complete, then listed in the
@@ -168,13 +168,15 @@ class _Shelf:
 
     def make_room(self, shard: int, size: int, start: int, poll_s: float) -> None:
         """Return once `shard`'s `size` bytes fit the budget; wait for training while the budget is full of shards
-        it has not consumed. Evicted to make room: consumed shards, oldest first (ahead of the checkpoint: a
-        training kill now would recapture them), then shards kept from before that come after `shard`, latest
-        first (training reads `shard` before them; holding them could leave no room for it)."""
+        it has not consumed. Evicted to make room: consumed shards, latest first (they lie ahead of the
+        checkpoint, so a training kill now would read them again: those right after it are kept longest, which a
+        resume reads first while it frees room for the rest), then shards kept from before that come after
+        `shard`, latest first (training reads `shard` before them; holding them could leave no room for it)."""
         while True:
             self.drop_finished(start)
             consumed, _ = self.training_marks(start)
-            evictable = dict.fromkeys(sorted(k for k, e in self.shards.items() if e["slots"][1] <= consumed)
+            evictable = dict.fromkeys(sorted((k for k, e in self.shards.items() if e["slots"][1] <= consumed),
+                                             reverse=True)
                                       + sorted((k for k in self.shards if k > shard), reverse=True))
             for victim in evictable:
                 if self.on_disk() + size <= self.budget:

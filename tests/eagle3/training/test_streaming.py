@@ -41,8 +41,8 @@ TRAIN_SAMPLES = 34  # of the 64 built-in prompts, those whose answer fits data.m
 SMALL_FILES = 160 << 10  # the stream's JSON files and their temp copies: 4 KiB pages on the tmpfs
 
 
-def data_config(mode: str) -> DataConfig:
-    stream = StreamConfig(disk_budget_gb=BUDGET_GB) if mode == "stream" else None
+def data_config(mode: str, budget_gb: float = BUDGET_GB) -> DataConfig:
+    stream = StreamConfig(disk_budget_gb=budget_gb) if mode == "stream" else None
     return DataConfig(num_samples=64, max_length=256, validation_fraction=0.2, shard_size=4, draft_vocab_size=64,
                       capture_batch_size=1, hidden_states_dtype="float32", hidden_states=mode, stream=stream,
                       regenerate=RegenerateConfig(max_new_tokens=48, batch_size=8))
@@ -109,10 +109,11 @@ class UsageProbe:
         self._thread.join()
 
 
-def start_producer(tiny_target_dir: Path, dataset: Path, stream_dir: Path, tmp_path: Path) -> subprocess.Popen:
+def start_producer(tiny_target_dir: Path, dataset: Path, stream_dir: Path, tmp_path: Path,
+                   budget_gb: float = BUDGET_GB) -> subprocess.Popen:
     config = tmp_path / "producer.json"
     config.write_text(json.dumps({"target": TargetConfig().model_dump(mode="json"),
-                                  "data": data_config("stream").model_dump(mode="json")}))
+                                  "data": data_config("stream", budget_gb).model_dump(mode="json")}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "eagle3.training.streaming.producer", "--target-dir",
                              str(tiny_target_dir), "--dataset-dir", str(dataset), "--stream-dir", str(stream_dir),
@@ -188,6 +189,8 @@ def test_streamed_training_has_the_offline_loss_per_step_within_the_disk_bound(
     budget = int(BUDGET_GB * 1e9)
     whole_stream = summary["tokens_captured"] * (4 * 32 * 4)  # fp32, 3 aux + last, H 32
     assert whole_stream > 3 * budget  # so a capture side that ignored the budget would break it
+    print(f"stream disk: tmpfs peak {usage.peak} B ({usage.samples} samples), capture side's own peak "
+          f"{summary['disk_high_water_bytes']} B, budget {budget} B, whole stream {whole_stream} B")
     assert usage.samples > 100 and 0 < usage.peak <= budget + SMALL_FILES, (usage.peak, budget)
     assert summary["disk_high_water_bytes"] <= budget
     assert summary["shards_captured"] == 18 and [e["samples"] for e in summary["epochs"]] == [36, 36]  # 2 wrapped
@@ -231,7 +234,8 @@ def test_a_killed_training_side_resumes_from_its_checkpoint_without_recapturing_
     cfg = train_config(max_steps=12, checkpoint_every=4)
     out_dir = tmp_path / "run"
     stream_dir = begin(out_dir, cfg)
-    producer = start_producer(tiny_target_dir, streamed, stream_dir, tmp_path)
+    roomy = 4 * BUDGET_GB  # ~11 shards: no shard is ever evicted for room, so every kept one must be used
+    producer = start_producer(tiny_target_dir, streamed, stream_dir, tmp_path, roomy)
     trainer = start_training_process(streamed, tiny_target_dir, cfg, out_dir, aux, tmp_path)
     kill_when(trainer, lambda: trained_steps(out_dir) >= 6)  # past the checkpoint at step 4
     producer.send_signal(signal.SIGTERM)  # as the orchestrator stops the capture side after a failed training
@@ -239,7 +243,7 @@ def test_a_killed_training_side_resumes_from_its_checkpoint_without_recapturing_
     on_disk = {p.name for p in stream_dir.glob("shard-*.safetensors")}
 
     begin(out_dir, cfg)
-    producer = start_producer(tiny_target_dir, streamed, stream_dir, tmp_path)
+    producer = start_producer(tiny_target_dir, streamed, stream_dir, tmp_path, roomy)
     rows = run_training(streamed, tiny_target_dir, cfg, out_dir, aux)
     summary = producer_outcome(producer)
     assert rows[0]["step"] == 5  # resumed after the step-4 checkpoint
@@ -336,3 +340,35 @@ def start_training_process(dataset: Path, tiny_target_dir: Path, cfg: TrainConfi
                              str(tiny_target_dir), "--out-dir", str(out_dir), "--config", str(config),
                              "--aux-layer-ids", ",".join(map(str, aux)), "--draft-vocab-size", "64"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def test_room_is_made_from_consumed_shards_latest_first_then_from_kept_shards_read_last(tmp_path):
+    """The eviction order, on a shelf of fake shards of 100 bytes each: (1) consumed shards ahead of the
+    checkpoint go latest first, so those a resume reads first stay; (2) with nothing consumed, shards kept from
+    before that come after the one to write go, latest first."""
+    from eagle3.training.streaming.layout import write_progress
+    from eagle3.training.streaming.producer import _Shelf
+
+    stream_dir = tmp_path / "stream"
+    session = start_session(stream_dir, plan_stream(train_config(), TRAIN_SAMPLES, 1, 4), stall_timeout_s=5)
+    listed = []
+    for k in range(2, 7):  # shards 2..6 on disk: slots 8..28
+        (stream_dir / shard_name(k)).write_bytes(b"x" * 100)
+        listed.append({"shard": k, "file": shard_name(k), "bytes": 100, "slots": [4 * k, 4 * k + 4]})
+    (stream_dir / MANIFEST).write_text(json.dumps({"key": "k", "shards": listed}))
+    shelf = _Shelf(stream_dir, session, {"key": "k"}, budget=500, log=lambda m: None)
+    # training started at its checkpoint, slot 8 (shard 2), and has consumed shards 2 and 3
+    write_progress(stream_dir, session.id, 0, started=8, consumed=16, checkpointed=8)
+    shelf.make_room(7, 100, start=8, poll_s=0.01)
+    assert sorted(shelf.shards) == [2, 4, 5, 6]  # 3 went, 2 (read first after a kill) stayed
+
+    other = tmp_path / "other"
+    session = start_session(other, plan_stream(train_config(), TRAIN_SAMPLES, 1, 4), stall_timeout_s=5)
+    for entry in listed:
+        (other / entry["file"]).write_bytes(b"x" * 100)
+    (other / MANIFEST).write_text(json.dumps({"key": "k", "shards": listed}))
+    shelf = _Shelf(other, session, {"key": "k"}, budget=500, log=lambda m: None)
+    # a resume at slot 4 (shard 1, not on disk): nothing consumed yet; shard 1 needs room first
+    write_progress(other, session.id, 0, started=4, consumed=4, checkpointed=4)
+    shelf.make_room(1, 100, start=4, poll_s=0.01)
+    assert sorted(shelf.shards) == [2, 3, 4, 5] and shelf.reserved == 100  # 6, read last, gave up its room
