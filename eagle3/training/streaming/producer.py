@@ -45,6 +45,7 @@ from eagle3.data.state_codec import manifest_state_fields
 from eagle3.training.streaming.layout import (
     MANIFEST,
     Session,
+    StreamPlan,
     current_session_id,
     read_progress,
     read_session,
@@ -70,7 +71,8 @@ class _Figures:
     high_water: int = 0
     epochs: dict[int, dict] = field(default_factory=dict)
 
-    def add(self, stream, first: int, lengths: list[int], seconds: float) -> None:
+    def add(self, stream: StreamPlan, first: int, lengths: list[int], seconds: float) -> None:
+        """Shard of `lengths` samples from slot `first`, captured in `seconds` (shared out by tokens)."""
         total = sum(lengths) or 1
         for offset, n in enumerate(lengths):
             epoch = self.epochs.setdefault(stream.epoch_of(first + offset), {"samples": 0, "tokens": 0,
@@ -91,8 +93,8 @@ class _Figures:
 class _Shelf:
     """The stream shards on disk and their manifest, within the budget (`make_room`)."""
 
-    def __init__(self, directory: Path, session: Session, header: dict, budget: int, log: LogFn) -> None:
-        self.directory, self.session, self.header, self.budget, self.log = directory, session, header, budget, log
+    def __init__(self, directory: Path, session: Session, header: dict, budget: int) -> None:
+        self.directory, self.session, self.header, self.budget = directory, session, header, budget
         self.stream = session.stream
         self.shards: dict[int, dict] = self._kept_shards()
         self.reserved = 0  # the shard being written
@@ -222,7 +224,7 @@ def run_capture_side(directory: Path, data_cfg: DataConfig, data_fingerprint: st
                              f"has {len(train_samples)}")
         header = {"key": stream_key(data_fingerprint, session), "session": session.id, **session.stream.to_json(),
                   "budget_bytes": int(data_cfg.stream.disk_budget_gb * 1e9)}
-        shelf = _Shelf(directory, session, header, header["budget_bytes"], log)
+        shelf = _Shelf(directory, session, header, header["budget_bytes"])
         write_producer_state(directory, session.id, "running")  # the folder holds only this stream's whole shards
         with open_engine() as extractor:
             summary = _produce(shelf, extractor, train_samples, data_cfg, progress, log, poll_s)
@@ -256,7 +258,7 @@ def _produce(shelf: _Shelf, extractor: FeatureExtractor, train_samples: list[dic
             tensors = capture_shard(extractor, members, data_cfg.capture_batch_size, dtype)
             tensors["slots"] = torch.tensor([first, end], dtype=torch.long)
             figures.add(stream, first, [len(s["input_ids"]) for s in members], time.perf_counter() - began)
-            pending = _finish(shelf, pending, figures)
+            _finish(shelf, pending, figures)
             shelf.make_room(shard, safetensors_bytes(tensors, metadata), start, poll_s)
             tokens = int(tensors["lengths"].sum())
             write = writer.submit(_write_hidden_shard, tensors, shelf.directory / shard_name(shard), metadata)
@@ -292,13 +294,12 @@ def _training_start(shelf: _Shelf, poll_s: float) -> int:
 
 
 def _finish(shelf: _Shelf, pending, figures: _Figures) -> None:
-    """Wait for the shard being written, rename it into place and list it."""
+    """Wait for the shard being written (if any), rename it into place and list it; nothing is pending after."""
     if pending is not None:
         shard, first, end, tokens, write = pending
         digest, size = write.result()
         shelf.add(shard, digest, size, first, end, tokens)
         figures.captured += 1
-    return None
 
 
 def _wait_until_consumed(shelf: _Shelf, start: int, poll_s: float) -> None:

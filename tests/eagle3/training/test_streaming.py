@@ -27,7 +27,6 @@ from eagle3.data.samples import SAMPLES_FILE, SAMPLES_META
 from eagle3.training.schedule import DataPlan
 from eagle3.training.streaming.layout import (
     MANIFEST,
-    PRODUCER,
     StreamPlan,
     plan_stream,
     read_producer_state,
@@ -295,11 +294,11 @@ def test_a_restarted_capture_side_keeps_only_whole_listed_shards(tmp_path):
     header = {"key": "k1"}
     listed = [{"shard": k, "file": shard_name(k), "bytes": 100, "slots": [4 * k, 4 * k + 4]} for k in (0, 2, 3)]
     (stream_dir / MANIFEST).write_text(json.dumps({"key": "k1", "shards": listed}))
-    shelf = _Shelf(stream_dir, session, header, budget=10_000, log=lambda m: None)
+    shelf = _Shelf(stream_dir, session, header, budget=10_000)
     assert sorted(shelf.shards) == [0, 3]  # 1 unlisted (renamed, then killed before listing), 2 the wrong size
     assert sorted(p.name for p in stream_dir.iterdir() if p.suffix in (".safetensors", ".tmp")) == [
         shard_name(0), shard_name(3)]
-    other = _Shelf(stream_dir, session, {"key": "k2"}, budget=10_000, log=lambda m: None)  # another plan
+    other = _Shelf(stream_dir, session, {"key": "k2"}, budget=10_000)  # another plan
     assert other.shards == {} and not list(stream_dir.glob("shard-*"))
 
 
@@ -356,7 +355,7 @@ def test_room_is_made_from_consumed_shards_latest_first_then_from_kept_shards_re
         (stream_dir / shard_name(k)).write_bytes(b"x" * 100)
         listed.append({"shard": k, "file": shard_name(k), "bytes": 100, "slots": [4 * k, 4 * k + 4]})
     (stream_dir / MANIFEST).write_text(json.dumps({"key": "k", "shards": listed}))
-    shelf = _Shelf(stream_dir, session, {"key": "k"}, budget=500, log=lambda m: None)
+    shelf = _Shelf(stream_dir, session, {"key": "k"}, budget=500)
     # training started at its checkpoint, slot 8 (shard 2), and has consumed shards 2 and 3
     write_progress(stream_dir, session.id, 0, started=8, consumed=16, checkpointed=8)
     shelf.make_room(7, 100, start=8, poll_s=0.01)
@@ -367,7 +366,7 @@ def test_room_is_made_from_consumed_shards_latest_first_then_from_kept_shards_re
     for entry in listed:
         (other / entry["file"]).write_bytes(b"x" * 100)
     (other / MANIFEST).write_text(json.dumps({"key": "k", "shards": listed}))
-    shelf = _Shelf(other, session, {"key": "k"}, budget=500, log=lambda m: None)
+    shelf = _Shelf(other, session, {"key": "k"}, budget=500)
     # a resume at slot 4 (shard 1, not on disk): nothing consumed yet; shard 1 needs room first
     write_progress(other, session.id, 0, started=4, consumed=4, checkpointed=4)
     shelf.make_room(1, 100, start=4, poll_s=0.01)
