@@ -40,10 +40,10 @@ TRAIN_SAMPLES = 34  # of the 64 built-in prompts, those whose answer fits data.m
 SMALL_FILES = 160 << 10  # the stream's JSON files and their temp copies: 4 KiB pages on the tmpfs
 
 
-def data_config(mode: str, budget_gb: float = BUDGET_GB) -> DataConfig:
+def data_config(mode: str, budget_gb: float = BUDGET_GB, dtype: str = "float32") -> DataConfig:
     stream = StreamConfig(disk_budget_gb=budget_gb) if mode == "stream" else None
     return DataConfig(num_samples=64, max_length=256, validation_fraction=0.2, shard_size=4, draft_vocab_size=64,
-                      capture_batch_size=1, hidden_states_dtype="float32", hidden_states=mode, stream=stream,
+                      capture_batch_size=1, hidden_states_dtype=dtype, hidden_states=mode, stream=stream,
                       regenerate=RegenerateConfig(max_new_tokens=48, batch_size=8))
 
 
@@ -109,10 +109,10 @@ class UsageProbe:
 
 
 def start_producer(tiny_target_dir: Path, dataset: Path, stream_dir: Path, tmp_path: Path,
-                   budget_gb: float = BUDGET_GB) -> subprocess.Popen:
+                   budget_gb: float = BUDGET_GB, dtype: str = "float32") -> subprocess.Popen:
     config = tmp_path / "producer.json"
     config.write_text(json.dumps({"target": TargetConfig().model_dump(mode="json"),
-                                  "data": data_config("stream", budget_gb).model_dump(mode="json")}))
+                                  "data": data_config("stream", budget_gb, dtype).model_dump(mode="json")}))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "eagle3.training.streaming.producer", "--target-dir",
                              str(tiny_target_dir), "--dataset-dir", str(dataset), "--stream-dir", str(stream_dir),
@@ -195,6 +195,30 @@ def test_streamed_training_has_the_offline_loss_per_step_within_the_disk_bound(
     assert summary["shards_captured"] == 18 and [e["samples"] for e in summary["epochs"]] == [36, 36]  # 2 wrapped
     assert not list(stream_dir.glob("*.safetensors"))  # every shard deleted once consumed
     assert json.loads((stream_dir / MANIFEST).read_text())["shards"] == []
+
+
+@pytest.mark.slow
+def test_fp8_streamed_shards_train_like_fp8_offline_shards(datasets, tiny_target_dir, tmp_path):
+    """data.hidden_states_dtype float8_e4m3 streams too: encoded states and their scales, decoded by the trainer."""
+    from eagle3.data.generate import generate_dataset
+
+    offline32, _, aux = datasets
+    folders = {"offline": tmp_path / "offline-fp8", "stream": tmp_path / "stream-fp8"}
+    for mode, folder in folders.items():
+        folder.mkdir()
+        for name in (SAMPLES_FILE, SAMPLES_META):
+            shutil.copy(offline32 / name, folder / name)
+        generate_dataset(tiny_target_dir, TargetConfig(), data_config(mode, dtype="float8_e4m3"), folder,
+                         log=lambda m: None)
+    cfg = train_config(max_steps=6)
+    expected = losses(run_training(folders["offline"], tiny_target_dir, cfg, tmp_path / "offline", aux))
+    out_dir = tmp_path / "run"
+    stream_dir = begin(out_dir, cfg)
+    producer = start_producer(tiny_target_dir, folders["stream"], stream_dir, tmp_path, dtype="float8_e4m3")
+    rows = run_training(folders["stream"], tiny_target_dir, cfg, out_dir, aux)
+    summary = producer_outcome(producer)
+    assert losses(rows) == expected and len(expected) == 6
+    assert json.loads((stream_dir / MANIFEST).read_text())["dtype"] == "float8_e4m3" and summary["shards_captured"] == 6
 
 
 # --------------------------------------------------------------------------- kills
