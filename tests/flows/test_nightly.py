@@ -39,6 +39,7 @@ from tasks.pipeline import StageContext
 from tasks.rundir import RunDirectory, digest_paths, file_sha256
 from tests.mlflow_server import MlflowServer, free_port
 from tests.helpers import reference_servers_alive
+from tests.browser.test_ui import browser, screenshots  # noqa: F401  (fixtures)
 
 MODEL = "nightly-draft"
 CONFIG = """\
@@ -216,6 +217,26 @@ def test_worse_draft_is_refused_and_the_champion_unchanged(nightlies, postgres_m
     markdown = [a.data for a in asyncio.run(read())]
     assert any("version 3 **refused** (champion kept)" in m and "| champion v2 | 1 |" in m for m in markdown)
     assert any("version 2 **promoted**" in m for m in markdown)
+
+
+def version_rows(driver) -> dict[str, str]:
+    """The model page's versions table as shown: {"Version 2": the row's text, ...}."""
+    rows = driver.find_elements("xpath", "//*[@role='row'][.//a[starts-with(normalize-space(), 'Version ')]]")
+    return {row.find_element("xpath", ".//a[starts-with(normalize-space(), 'Version ')]").text: row.text for row in rows}
+
+
+@pytest.mark.slow
+def test_the_registry_page_shows_the_champion_and_the_previous_one(nightlies, postgres_mlflow, browser, screenshots):
+    """In a fresh browser, after the nightlies: the model's page lists every version, the aliases on theirs."""
+    from tests.browser.test_ui import wait_for
+
+    browser.get(f"{postgres_mlflow.uri}/#/models/{MODEL}?workflowType=machine_learning")
+    rows = wait_for(browser, lambda d: len(version_rows(d)) == 3 and version_rows(d), "the three versions")
+    champion = browser.find_element("xpath", "//*[@role='row'][.//a[normalize-space()='Version 2']]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", champion)  # lineage tags make rows tall
+    browser.save_screenshot(str(screenshots / "mlflow-registry-after-nightlies.png"))
+    assert "@ champion" in rows["Version 2"] and "@ previous" in rows["Version 1"], rows
+    assert "@" not in rows["Version 3"], rows  # refused: no alias
 
 
 @pytest.mark.slow
