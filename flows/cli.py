@@ -492,9 +492,10 @@ def nightly(
     from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
     from tasks.pipeline import StageFailed
     from tasks.secrets import redact
+    from tasks.tracking import tracking_uri_for
 
     try:
-        load_experiment(config)
+        cfg = load_experiment(config)
         with signals_as_exceptions(), redacted_stdio(), prefect_api():
             result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
     except ConfigError as error:
@@ -504,8 +505,23 @@ def nightly(
     except (StageFailed, ValueError) as failure:
         err.print(f"[red]nightly failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
-    verb = "[green]promoted[/green]" if result["promoted"] else "[yellow]kept the champion[/yellow]"
-    out.print(f"{verb}: {result['reason']}", highlight=False, soft_wrap=True)
+    for line in nightly_outcome(result, tracking_uri_for(cfg)):
+        out.print(line, highlight=False, soft_wrap=True)
+
+
+def nightly_outcome(result: dict, tracking_uri: str) -> list[str]:
+    """The nightly's answer in two lines: which version moved to champion (or was refused) and why, then its page
+    in the model registry."""
+    from tasks.tracking import model_version_url, ui_base
+
+    name, version = result["model"], result["challenger"]
+    why = result["reason"].split(": ", 1)[-1]  # the recorded reason opens with the decision ("promoted: ...")
+    if result["promoted"]:
+        decided = f"[green]promoted[/green] {name} version {version} to champion: {why}"
+    else:
+        decided = (f"[yellow]kept the champion[/yellow] (version {result['champion_before']}); "
+                   f"{name} version {version} refused: {why}")
+    return [decided, f"MLflow model: {model_version_url(ui_base(tracking_uri), name, version)}"]
 
 
 hosts_app = typer.Typer(no_args_is_help=True, help="The SSH inventory of a config.")

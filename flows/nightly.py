@@ -31,7 +31,7 @@ def _teardown_hook(flow, flow_run, state) -> None:
     teardown_for_flow_run(flow_run.parameters, str(flow_run.id))
 
 
-@flow(name="eagle3-nightly", log_prints=True,
+@flow(name="eagle3-nightly", log_prints=True, flow_run_name="nightly {config_path}",
       on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
 def nightly_retrain(config_path: ConfigPath, run_dir: RunDir = None) -> dict:
     """Retrain, measure against the champion on the same host and prompts, promote only on a win.

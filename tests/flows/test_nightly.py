@@ -277,6 +277,23 @@ def test_resumed_nightly_reapplies_its_recorded_decision_without_measuring_again
     assert [a["attempt"] for a in stages["train_draft"]["attempts"]] == [1]
 
 
+def test_the_cli_says_which_version_moved_and_links_its_registry_page():
+    from flows.cli import nightly_outcome
+
+    promoted = {"promoted": True, "model": "eagleops-tiny-draft", "challenger": "2", "champion_before": None,
+                "reason": "promoted: first champion (there was none); accept length 3.52, 404.2 tok/s at concurrency 1"}
+    assert nightly_outcome(promoted, "sqlite:////srv/runs/mlflow.db") == [
+        "[green]promoted[/green] eagleops-tiny-draft version 2 to champion: first champion (there was none); "
+        "accept length 3.52, 404.2 tok/s at concurrency 1",
+        "MLflow model: http://127.0.0.1:5000/#/models/eagleops-tiny-draft/versions/2?workflowType=machine_learning"]
+    refused = {**promoted, "promoted": False, "challenger": "3", "champion_before": "2",
+               "reason": "refused: accept length 1.02 < 3.41 (nightly.accept_length_tolerance 0.0)"}
+    assert nightly_outcome(refused, "http://mlflow.team:5000/") == [
+        "[yellow]kept the champion[/yellow] (version 2); eagleops-tiny-draft version 3 refused: accept length 1.02 "
+        "< 3.41 (nightly.accept_length_tolerance 0.0)",
+        "MLflow model: http://mlflow.team:5000/#/models/eagleops-tiny-draft/versions/3?workflowType=machine_learning"]
+
+
 # ------------------------------------------------------------------ the decision alone
 
 
