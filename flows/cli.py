@@ -262,7 +262,7 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
     bench = result.get("results", {}).get("run_benchmark")
     if bench:
         _print_benchmark(bench)
-    _print_links(result["mlflow_run_id"], _recorded_tracking_uri(Path(result["run_dir"])))
+    _print_links(result["mlflow_run_id"], _recorded_tracking_uri(Path(result["run_dir"])), _registered_version(result))
     # Last and alone on its line, never wrapped by Rich: the folder to copy into --run-dir, compare, teardown.
     print("run folder:", flush=True)
     print(result["run_dir"], flush=True)
@@ -273,10 +273,18 @@ def _recorded_tracking_uri(run_dir: Path) -> str | None:
     return json.loads(manifest.read_text()).get("mlflow", {}).get("tracking_uri") if manifest.is_file() else None
 
 
-def _print_links(run_id: str, tracking_uri: str | None) -> None:
-    """Where the run is in MLflow: its runs table (headline columns, model-training mode) and the run itself."""
+def _registered_version(result: dict) -> tuple[str, str] | None:
+    """(model, version) the export registered in this run; None when it registered none or only journaled it."""
+    outputs = result.get("results", {}).get("export_checkpoint", {}).get("outputs", {})
+    name, _, version = str(outputs.get("registered_model_version", "")).partition("/")
+    return (name, version) if name and version.isdigit() else None
+
+
+def _print_links(run_id: str, tracking_uri: str | None, registered: tuple[str, str] | None = None) -> None:
+    """Where the run is in MLflow: its runs table (headline columns, model-training mode), the same runs as headline
+    charts, the run itself and the model version it registered."""
     from tasks.secrets import redact
-    from tasks.tracking import is_placeholder, run_links
+    from tasks.tracking import is_placeholder, model_version_url, run_links, ui_base
 
     if not tracking_uri or is_placeholder(run_id):
         out.print(f"MLflow parent run: {run_id} (not uploaded yet: eagleops sync RUN_DIR)", highlight=False, soft_wrap=True)
@@ -290,7 +298,10 @@ def _print_links(run_id: str, tracking_uri: str | None) -> None:
     if "serve" in links:
         print(f"MLflow UI: {links['serve']}", flush=True)
     print(f"MLflow runs table: {links['experiment']}", flush=True)
+    print(f"MLflow charts: {links['charts']}", flush=True)
     print(f"MLflow parent run: {links['run']}", flush=True)
+    if registered:
+        print(f"MLflow model: {model_version_url(ui_base(tracking_uri), *registered)}", flush=True)
 
 
 def _print_benchmark(bench: dict) -> None:
@@ -481,9 +492,10 @@ def nightly(
     from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
     from tasks.pipeline import StageFailed
     from tasks.secrets import redact
+    from tasks.tracking import tracking_uri_for
 
     try:
-        load_experiment(config)
+        cfg = load_experiment(config)
         with signals_as_exceptions(), redacted_stdio(), prefect_api():
             result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
     except ConfigError as error:
@@ -493,8 +505,23 @@ def nightly(
     except (StageFailed, ValueError) as failure:
         err.print(f"[red]nightly failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
-    verb = "[green]promoted[/green]" if result["promoted"] else "[yellow]kept the champion[/yellow]"
-    out.print(f"{verb}: {result['reason']}", highlight=False, soft_wrap=True)
+    for line in nightly_outcome(result, tracking_uri_for(cfg)):
+        out.print(line, highlight=False, soft_wrap=True)
+
+
+def nightly_outcome(result: dict, tracking_uri: str) -> list[str]:
+    """The nightly's answer in two lines: which version moved to champion (or was refused) and why, then its page
+    in the model registry."""
+    from tasks.tracking import model_version_url, ui_base
+
+    name, version = result["model"], result["challenger"]
+    why = result["reason"].split(": ", 1)[-1]  # the recorded reason opens with the decision ("promoted: ...")
+    if result["promoted"]:
+        decided = f"[green]promoted[/green] {name} version {version} to champion: {why}"
+    else:
+        decided = (f"[yellow]kept the champion[/yellow] (version {result['champion_before']}); "
+                   f"{name} version {version} refused: {why}")
+    return [decided, f"MLflow model: {model_version_url(ui_base(tracking_uri), name, version)}"]
 
 
 hosts_app = typer.Typer(no_args_is_help=True, help="The SSH inventory of a config.")

@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.experiment import eagle3_experiment
+from flows.params import ConfigPath, RunDir
 from tasks.config import load_experiment
 from tasks.deploy import teardown_for_flow_run
 from tasks.gate import champion_gate, report_gate, training_config
@@ -30,12 +31,17 @@ def _teardown_hook(flow, flow_run, state) -> None:
     teardown_for_flow_run(flow_run.parameters, str(flow_run.id))
 
 
-@flow(name="eagle3-nightly", log_prints=True,
+@flow(name="eagle3-nightly", log_prints=True, flow_run_name="nightly {config_path}",
       on_failure=[_teardown_hook], on_cancellation=[_teardown_hook], on_crashed=[_teardown_hook])
-def nightly_retrain(config_path: str, run_dir: str | None = None) -> dict:
+def nightly_retrain(config_path: ConfigPath, run_dir: RunDir = None) -> dict:
     """Retrain, measure against the champion on the same host and prompts, promote only on a win.
 
-    `run_dir` resumes an earlier nightly's run folder (finished stages are reused).
+    The Prefect UI form shows these descriptions; types are in flows/params.py.
+
+    Args:
+        config_path: Experiment YAML with export.registered_model: a shipped config, or a path on the worker
+            (relative to the project directory).
+        run_dir: Resume an earlier nightly's run folder; finished stages are reused.
     """
     cfg = load_experiment(config_path)
     name = registered_model_name(cfg)

@@ -16,7 +16,8 @@ configs folder lists none, and the field then takes any path.
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import SkipJsonSchema
 
 from tasks.config import NAME_PATTERN, ConfigError, ExperimentConfig
 from tasks.pipeline import STAGES
@@ -35,27 +36,54 @@ SHIPPED_CONFIGS = shipped_configs()
 
 # Bounds live in these types; the descriptions the UI shows come from the flow's docstring (Args:),
 # because Prefect's schema builder replaces an Annotated Field's description with the docstring's.
-# Literal[...] of the shipped paths renders as a drop-down; `| str` keeps any other file usable
-# (a team's own config on the worker, a test's temporary file). Pydantic's smart union keeps a
-# plain str either way.
-ShippedConfig = Literal[SHIPPED_CONFIGS] if SHIPPED_CONFIGS else str  # type: ignore[valid-type]
-ConfigPath = Annotated[
-    Union[ShippedConfig, str],
-    Field(min_length=1),
+#
+# The shapes below follow what Prefect 3.9.1's Custom run form (UI v2, the default, and v1) does with
+# the JSON schema (ui-v2 schema-form: getSchemaObjectLabel, SchemaFormInputAnyOf, SchemaFormProperty):
+# - an `anyOf` property is a row of toggles, one per branch, labelled by the branch's `title`, else
+#   its type ("str", "int", "list", "None"): config_path's two branches carry titles, or both read "str";
+# - a property's `default` is put into the form as its value; Prefect writes the signature's None as
+#   `"default": null`, which needs a `{"type": "null"}` branch to pass the server's check, and that
+#   branch is then the one shown: 'Property is type "None"' instead of an input. So where a value
+#   means "unset" the schema's default is that value instead (all stages, an empty run folder), the
+#   None branch is left out of the schema (`SkipJsonSchema`), and None stays valid in Python (the CLI
+#   and the nightly pass it). Only `variant` has no such value (any int names a grid point, and the
+#   failure hooks load the config with the raw parameter), so it keeps a titled None branch.
+ShippedConfig = Annotated[
+    Literal[SHIPPED_CONFIGS] if SHIPPED_CONFIGS else str,  # type: ignore[valid-type]
+    Field(title="shipped config"),
 ]
+OtherConfig = Annotated[str, Field(title="path on the worker")]
+# Pydantic's smart union keeps a plain str either way: a shipped path matches the Literal, any other
+# file (a team's own config on the worker, a test's temporary file) the str.
+ConfigPath = Annotated[Union[ShippedConfig, OtherConfig], Field(min_length=1)]
 StageName = Literal[tuple(STAGES)]  # type: ignore[valid-type]
 StageSelection = Annotated[
-    Union[list[StageName], None],
-    Field(min_length=1),
+    Union[Annotated[list[StageName], Field(min_length=1)], SkipJsonSchema[None]],
+    Field(json_schema_extra={"default": list(STAGES)}),
 ]
+
+
+def _empty_is_unset(value: str | None) -> str | None:
+    """The form's empty run folder is no run folder: a new one is created."""
+    return value or None
+
+
 RunDir = Annotated[
-    Union[str, None],
-    Field(min_length=1),
+    Union[str, SkipJsonSchema[None]],
+    AfterValidator(_empty_is_unset),
+    Field(json_schema_extra={"default": ""}),
 ]
-SweepVariant = Annotated[
-    Union[int, None],
-    Field(ge=0, le=10_000),
+SweepVariant = Union[
+    Annotated[int, Field(ge=0, le=10_000, title="grid point")],
+    Annotated[None, Field(title="not a sweep")],
 ]
+
+
+def _unset_means_keep(schema: dict) -> None:
+    """An override field's schema without its `"default": null`: the form then shows an empty input
+    (not a None branch), and the server's schema check (prefect.utilities.schema_tools.validation,
+    `_fix_null_typing`) still accepts an explicit null for a field that has no default."""
+    schema.pop("default", None)
 
 
 class ConfigOverrides(BaseModel):
@@ -63,18 +91,21 @@ class ConfigOverrides(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str | None = Field(
-        None, pattern=NAME_PATTERN, description="deploy.host: `local` or one of the config's hosts[].name."
+    # Bounds sit on the non-None branch: on the union they would reach the schema unconverted ("ge": 1).
+    host: Annotated[str, Field(pattern=NAME_PATTERN)] | SkipJsonSchema[None] = Field(
+        None, description="deploy.host: `local` or one of the config's hosts[].name.", json_schema_extra=_unset_means_keep,
     )
-    num_steps: int | None = Field(
-        None, ge=1, le=64, description="deploy.speculative.num_steps (--speculative-num-steps, draft depth)."
+    num_steps: Annotated[int, Field(ge=1, le=64)] | SkipJsonSchema[None] = Field(
+        None, description="deploy.speculative.num_steps (--speculative-num-steps, draft depth).",
+        json_schema_extra=_unset_means_keep,
     )
-    eagle_topk: int | None = Field(
-        None, ge=1, le=64, description="deploy.speculative.eagle_topk (--speculative-eagle-topk, branching)."
+    eagle_topk: Annotated[int, Field(ge=1, le=64)] | SkipJsonSchema[None] = Field(
+        None, description="deploy.speculative.eagle_topk (--speculative-eagle-topk, branching).",
+        json_schema_extra=_unset_means_keep,
     )
-    num_draft_tokens: int | None = Field(
-        None, ge=2, le=1024,
-        description="deploy.speculative.num_draft_tokens (--speculative-num-draft-tokens, incl. the root).",
+    num_draft_tokens: Annotated[int, Field(ge=2, le=1024)] | SkipJsonSchema[None] = Field(
+        None, description="deploy.speculative.num_draft_tokens (--speculative-num-draft-tokens, incl. the root).",
+        json_schema_extra=_unset_means_keep,
     )
 
     def deploy_update(self) -> dict:

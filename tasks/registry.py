@@ -7,8 +7,12 @@ replaced, for a rollback). `promote_or_keep` writes a decision in an order that 
 point leaves consistent and a re-run completes: lineage tags, then the `eagleops.gate` tag
 (the decision), then `previous`, then `champion`, then the tags of the experiment's parent run.
 
-Risk: every call here needs the tracking server (the registry has no offline journal); the
-tasks retry on an outage and then fail the nightly run rather than guess a champion.
+Risk: every call here needs the tracking server; the tasks retry on an outage and then fail the
+nightly run rather than guess a champion. That is by design, not a gap in the outage journal
+(tasks.mlflow_journal): registering a version is journaled (RunLogger.register_version, the export
+stage, so every demo run registers offline too), but reading the champion decides what to train from
+and what to measure against, and a promotion replayed later could move `champion` away from a
+version promoted meanwhile that this gate never measured.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ Default store: `sqlite:///<runs_root>/mlflow.db` with artifacts in `<runs_root>/
 MLflow 3.17's UI does not open an experiment by its `mlflow.experimentKind` tag: it decides GenAI vs
 model training by a `workflowType` query parameter, else the browser's localStorage
 (`mlflow.workflowType`, default `genai`: a fresh browser lands on the traces overview). So every
-link eagleops prints (`experiment_runs_url`, `run_url`) carries `workflowType=machine_learning`
-and opens the runs table, and the experiment carries what that table and its charts read: a
-shared view (`mlflow.sharedViewState.<key>`, opened by the link's `viewStateShareKey`) whose
-columns are the headline metrics, and `mlflow.experiment.primaryMetric.name` (the chart view's
-first chart). The kind tag is still set for MLflow versions and tools that read it.
+link eagleops prints (`experiment_runs_url`, `experiment_charts_url`, `run_url`, `model_version_url`)
+carries `workflowType=machine_learning`, and the experiment carries what its runs table and chart
+view read: a shared view (`mlflow.sharedViewState.<key>`, opened by the link's `viewStateShareKey`)
+whose columns and charts are the headline metrics, and `mlflow.experiment.primaryMetric.name` (the
+chart view's first chart). The kind tag is still set for MLflow versions and tools that read it.
 
 Outage: a run never fails because the tracking server is down. A `RunLogger` given a journal
 (`<run_dir>/mlflow-journal.jsonl`, see `tasks.mlflow_journal`) writes through to the server
@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # MLflow prints "View run ... at: <tracking uri>" to stdout, credentials of the URI included.
@@ -98,6 +98,12 @@ PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 # The parent run's headline metrics, as the runs table, its charts and `eagleops runs` show them.
 HEADLINE_METRICS = ("run_benchmark.best_tok_s", "run_benchmark.speedup", "run_benchmark.accept_length_online",
                     "run_benchmark.accept_length_offline", "run_benchmark.baseline_tok_s")
+# Shown on the registry page of a model eagleops registers first (a model made by hand keeps its own).
+REGISTERED_MODEL_DESCRIPTION = (
+    "EAGLE-3 draft checkpoints registered by eagleops' export_checkpoint, one version per run (the SGLang checkpoint "
+    "folder). Deploys fetch `models:/<name>@champion`; `eagleops nightly` moves `champion` to a new version only when "
+    "it wins the gate against the current one, which it keeps as `previous`."
+)
 # The run tag MlflowClient.log_table keeps its tables in (mlflow.utils.mlflow_tags.MLFLOW_LOGGED_ARTIFACTS).
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
 
@@ -175,28 +181,54 @@ def run_url(base: str, experiment_id: str, run_id: str) -> str:
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?workflowType={WORKFLOW_TYPE}"
 
 
+def experiment_charts_url(base: str, experiment_id: str) -> str:
+    """The experiment's chart view (`compareRunsMode=CHART`), opening on the shared view's headline charts: where
+    MLflow 3.17 compares runs by tok/s and speedup. Its older compare-runs page (`#/compare-runs`) cannot be told:
+    it sorts metric rows alphabetically and plots the first metric key (CompareRunUtil.getKeys,
+    ParallelCoordinatesPlotPanel in the UI bundle), so `check_environment.*` comes first there."""
+    return f"{experiment_runs_url(base, experiment_id)}&compareRunsMode=CHART"
+
+
+def model_version_url(base: str, name: str, version: str) -> str:
+    """A registered model version's page in MLflow's model registry."""
+    return f"{base}/#/models/{quote(name, safe='')}/versions/{version}?workflowType={WORKFLOW_TYPE}"
+
+
 # Set by `eagleops run` while it runs the flow against its own temporary Prefect server: no UI outlives the run.
 NO_PREFECT_UI_ENV = "EAGLEOPS_NO_PREFECT_UI"
 
 
 def prefect_flow_run_url(flow_run_id: str, timeout_s: float = 2.0) -> str | None:
-    """The Prefect UI page of a flow run, when a UI serves it: PREFECT_UI_URL as set by the user, else the one
-    Prefect derives from PREFECT_API_URL if that server answers `/ui-settings` (a server started without its UI,
-    such as `eagleops run`'s temporary one, does not). None otherwise."""
+    """The Prefect UI page of a flow run, when a UI serves it: under PREFECT_UI_URL as set by the user, else under the
+    address Prefect derives from PREFECT_API_URL if that server answers `/ui-settings` (a server started without its
+    UI, such as `eagleops run`'s temporary one, does not), in the UI it opens by default. None otherwise."""
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
     if os.environ.get(NO_PREFECT_UI_ENV):  # a server that dies with this process (`eagleops run`'s temporary one)
         return None
+    if not flow_run_id or flow_run_id == "unknown":
+        return None
     ui = (os.environ.get("PREFECT_UI_URL") or "").rstrip("/")
     if not ui and PREFECT_API_URL.value():
-        derived = (PREFECT_UI_URL.value() or "").rstrip("/")
-        try:
-            answered = requests.get(f"{derived}/ui-settings", timeout=timeout_s, allow_redirects=False)
-            mounted = answered.status_code == 200 and any(answered.json().get(k) for k in ("v1_base_url", "v2_base_url"))
-        except (requests.RequestException, ValueError, AttributeError):
-            return None
-        ui = derived if mounted else ""
-    return f"{ui}/runs/flow-run/{flow_run_id}" if ui and flow_run_id and flow_run_id != "unknown" else None
+        ui = _default_prefect_ui((PREFECT_UI_URL.value() or "").rstrip("/"), timeout_s) or ""
+    return f"{ui}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def _default_prefect_ui(server: str, timeout_s: float) -> str | None:
+    """Where `server`'s default UI lives, from its `/ui-settings`; None when no UI answers there.
+
+    Prefect 3.9.1 serves two UIs: v1 at `/` and v2 (`default_ui`, unless PREFECT_SERVER_UI_V2_ENABLED=false) at
+    `v2_base_url`; only `/` itself redirects to the default one, so a deep link names its UI's base.
+    """
+    try:
+        answered = requests.get(f"{server}/ui-settings", timeout=timeout_s, allow_redirects=False)
+        settings = answered.json() if answered.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return None
+    if not isinstance(settings, dict):
+        return None
+    base = settings.get(f"{settings.get('default_ui')}_base_url") or settings.get("v1_base_url") or settings.get("v2_base_url")
+    return f"{server}{base.rstrip('/')}" if isinstance(base, str) else None
 
 
 def local_ui_hint(tracking_uri: str, port: int = 5000) -> str:
@@ -204,15 +236,19 @@ def local_ui_hint(tracking_uri: str, port: int = 5000) -> str:
     return f"mlflow ui --backend-store-uri {redact(tracking_uri)} --host 127.0.0.1 --port {port}"
 
 
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI address for a tracking URI: the server's own, or `mlflow ui`'s default for a local store."""
+    return mlflow_ui_base(tracking_uri) or "http://127.0.0.1:5000"
+
+
 def run_links(tracking_uri: str, run_id: str) -> dict[str, str]:
-    """{experiment, run} UI addresses of a run (under `mlflow ui`'s default address for a local store, with the
-    command that serves it as `serve`); {} when the store does not know the run."""
-    client = MlflowClient(tracking_uri)
-    experiment_id = client.get_run(run_id).info.experiment_id
-    base = mlflow_ui_base(tracking_uri)
-    links = {} if base else {"serve": local_ui_hint(tracking_uri)}
-    base = base or "http://127.0.0.1:5000"
-    return {**links, "experiment": experiment_runs_url(base, experiment_id), "run": run_url(base, experiment_id, run_id)}
+    """{experiment, charts, run} UI addresses of a run (under `mlflow ui`'s default address for a local store, with
+    the command that serves it as `serve`); raises as MLflow does when the store does not know the run."""
+    experiment_id = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    base = ui_base(tracking_uri)
+    links = {} if mlflow_ui_base(tracking_uri) else {"serve": local_ui_hint(tracking_uri)}
+    return {**links, "experiment": experiment_runs_url(base, experiment_id),
+            "charts": experiment_charts_url(base, experiment_id), "run": run_url(base, experiment_id, run_id)}
 
 
 def run_tags(cfg: ExperimentConfig) -> dict[str, str]:
@@ -549,12 +585,14 @@ def _log_table(client: MlflowClient, run_id: str, table: dict[str, list], artifa
 
 def _register_version(client: MlflowClient, run_id: str, args: dict[str, Any]) -> str:
     try:
-        client.create_registered_model(args["name"])
+        client.create_registered_model(args["name"], description=REGISTERED_MODEL_DESCRIPTION)
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     source = f"{client.get_run(run_id).info.artifact_uri}/{args['artifact_path']}"
-    return client.create_model_version(args["name"], source=source, run_id=run_id, tags=args["tags"]).version
+    # No wait: MLflow's own stores create a version READY, and the wait logs a line into every run's output.
+    return client.create_model_version(args["name"], source=source, run_id=run_id, tags=args["tags"],
+                                       await_creation_for=0).version
 
 
 def _write_dict(data: Any, path: Path) -> None:

@@ -1,13 +1,14 @@
-"""What a new user sees in MLflow from the link eagleops prints: in a fresh Chromium profile (MLflow 3.17's UI would
+"""What a new user sees in MLflow from the links eagleops prints: in a fresh Chromium profile (MLflow 3.17's UI would
 open on its GenAI overview), the experiment link lands on the training runs table with the headline metrics as
-columns, and the run link on the run. Screenshots are kept under the test's tmp dir (and $EAGLEOPS_TEST_ARTIFACTS)."""
+columns, the charts link on tok/s and speedup first, and the run link on the run. (tests/browser/test_ui.py checks
+the same table right after a real run.) Screenshots are kept under the test's tmp dir (and $EAGLEOPS_TEST_ARTIFACTS)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tasks.tracking import HEADLINE_METRICS, create_run, run_links
-from tests.browser.test_ui import browser, screenshots, wait_for, wait_for_text  # noqa: F401  (fixtures)
+from tests.browser.test_ui import browser, header_texts, screenshots, wait_for, wait_for_text  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +27,6 @@ def parent_run(mlflow_server):
     run.log_metrics(HEADLINE)
     run.finish("FINISHED")
     return run
-
-
-def header_texts(driver) -> list[str]:
-    """The runs table's column headers as shown (a header scrolled out of view has no text)."""
-    return [h.text.strip() for h in driver.find_elements("css selector", ".ag-header-cell") if h.text.strip()]
 
 
 def header_ids(driver) -> list[str]:
@@ -60,3 +56,19 @@ def test_the_printed_experiment_link_opens_the_runs_table_with_the_headline_colu
     wait_for_text(browser, "browser-views-20261201-143744-aca224")
     wait_for_text(browser, "run_benchmark.best_tok_s")
     browser.save_screenshot(str(screenshots / "mlflow-run-link.png"))
+
+
+def chart_titles(driver) -> list[str]:
+    """The chart view's card titles in screen order (MLflow keeps the full metric key in the title attribute)."""
+    cards = driver.find_elements("css selector", "[data-testid='experiment-view-compare-runs-card']")
+    return [title.get_attribute("title") for card in cards for title in card.find_elements("css selector", "h4[title]")]
+
+
+def test_the_printed_charts_link_compares_runs_by_tok_s_and_speedup_first(mlflow_server, parent_run, browser, screenshots):
+    links = run_links(mlflow_server.uri, parent_run.run_id)
+    browser.get(links["charts"])
+    wait_for(browser, lambda d: len(chart_titles(d)) >= 2, "the headline charts")
+    browser.save_screenshot(str(screenshots / "mlflow-charts-link.png"))
+    titles = chart_titles(browser)
+    assert titles[:2] == ["run_benchmark.best_tok_s", "run_benchmark.speedup"], titles
+    assert "check_environment.env_warnings" not in titles, titles  # alphabetically first, MLflow's own default

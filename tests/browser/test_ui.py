@@ -1,6 +1,7 @@
-"""What a person sees: the Prefect UI starts the tiny deployment from its Custom run form and shows
-the run Completed; the MLflow UI lists the runs and compares two of them. Headless Debian Chromium
-driven by selenium; screenshots are kept under the test's tmp dir (and $EAGLEOPS_TEST_ARTIFACTS)."""
+"""What a person sees, in a fresh headless Chromium profile each test (Debian chromium driven by selenium), on the
+team's servers: a run started from the Custom run form of Prefect's default UI, its flow run and its MLflow run
+linking to each other, the experiment page with the headline columns right after that run, its draft in the model
+registry, and two runs compared. Screenshots are kept under the test's tmp dir (and $EAGLEOPS_TEST_ARTIFACTS)."""
 
 import json
 import os
@@ -12,6 +13,8 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.tracking import HEADLINE_METRICS, model_version_url, run_links
+from tests.helpers import TEST_TARGET_YAML, free_port
 from tests.team_servers import wait_for_run
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -20,16 +23,24 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
                   "--disable-dev-shm-usage", "--window-size=1400,1000"]
+# A demo-sized run through every stage, the draft registered (the demo's export section does the same).
 CONFIG = """\
 experiment: browser
 runs_root: {runs}
-target:
-  kind: tiny
-data:
-  num_samples: 8
+{target}data:
+  num_samples: 12
+  max_length: 160
+  validation_fraction: 0.25
+  draft_vocab_size: 64
+  regenerate: {{max_new_tokens: 16}}
+train: {{ttt_steps: 2, epochs: 3, max_steps: 6, batch_size: 4, log_every: 1}}
+export: {{formats: [sglang], dtype: float32, registered_model: browser-draft}}
 deploy:
-  speculative: {{num_steps: 5, eagle_topk: 1, num_draft_tokens: 6}}
+  port: {port}
+  speculative: {{num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}}
+  startup_timeout_s: 240
   baseline: true
+bench: {{num_prompts: 2, max_new_tokens: 8, warmup_runs: 0, timed_runs: 1}}
 tracking:
   uri: {mlflow}
   experiment_name: eagleops-browser
@@ -84,14 +95,25 @@ def click_text(driver, tag: str, text: str) -> None:
     wait_for(driver, lambda d: d.find_elements("xpath", xpath), f"{tag} '{text}'")[0].click()
 
 
-def fill_optional_int(driver, label: str, value: int) -> None:
-    """A `int | None` field of Prefect's schema form: switch its type toggle to int, then type."""
-    field = f"//span[normalize-space()='{label} (Optional)']/ancestor::label/parent::div/following-sibling::div"
-    wait_for(driver, lambda d: d.find_elements("xpath", field), f"form field {label}")
-    driver.find_element("xpath", f"{field}//button[normalize-space()='int']").click()
-    box = wait_for(driver, lambda d: d.find_elements("xpath", f"{field}//input"), f"{label} input")[0]
+def fill_field(driver, label: str, value: int | str) -> None:
+    """Type into a field of Prefect's UI v2 form: its <label for=ID> reads "<label> (Optional)"."""
+    xpath = f"//label[normalize-space()='{label} (Optional)']"
+    found = wait_for(driver, lambda d: d.find_elements("xpath", xpath), f"form field {label}")[0]
+    box = driver.find_element("id", found.get_attribute("for"))
     box.clear()
     box.send_keys(str(value))
+
+
+def body_text(driver) -> str:
+    return driver.find_element("tag name", "body").text
+
+
+def follow_new_tab(driver, anchor) -> None:
+    """Click a link that opens in a new tab (MLflow's description links do) and continue in that tab."""
+    before = set(driver.window_handles)
+    anchor.click()
+    new = wait_for(driver, lambda d: set(d.window_handles) - before, "the tab the link opens")
+    driver.switch_to.window(new.pop())
 
 
 def worker_errors(log: Path) -> str:
@@ -109,62 +131,137 @@ def form_run_id(api: str, deployment_id: str, not_these: set[str]) -> str | None
     return next(iter(deployment_run_ids(api, deployment_id) - not_these), None)
 
 
-def test_prefect_custom_run_then_mlflow_runs_and_comparison(team_servers, cpu_worker, browser, screenshots, tmp_path,
-                                                            request):
-    api, ui = team_servers.prefect_api, team_servers.prefect_ui
+NONE_BRANCH = 'Property is type "None"'  # what Prefect's form shows for a None toggle instead of an input
+
+
+def assert_custom_run_form_reads_right(driver) -> None:
+    """Titled toggles for the config, every stage chosen, inputs (not None toggles) for the optional fields:
+    only the sweep variant keeps a None toggle ("not a sweep")."""
+    body = body_text(driver)
+    assert "shipped config" in body and "path on the worker" in body, body
+    assert body.count(NONE_BRANCH) == 1 and "not a sweep" in body, body
+    assert all(stage in body for stage in ("check_environment", "train_draft", "run_benchmark", "report")), body
+
+
+def test_prefect_custom_run_links_both_ways_and_lands_in_mlflow(team_servers, cpu_worker, browser, screenshots,
+                                                               tmp_path, request):
+    api, mlflow_ui = team_servers.prefect_api, team_servers.mlflow
     config = tmp_path / "browser.yaml"
-    config.write_text(CONFIG.format(runs=tmp_path / "runs", mlflow=team_servers.mlflow))
+    config.write_text(CONFIG.format(runs=tmp_path / "runs", target=TEST_TARGET_YAML, port=free_port(), mlflow=mlflow_ui))
     tiny = httpx.get(f"{api}/deployments/name/eagle3-experiment/tiny", timeout=10).json()
-    # The team's defaults for this deployment: the test config, only the cheap stage.
-    defaults = {"config_path": str(config), "stages": ["check_environment"]}
-    assert httpx.patch(f"{api}/deployments/{tiny['id']}", json={"parameters": defaults}, timeout=10).status_code == 204
+    # The team's default for this deployment: the test config (the form then runs every stage).
+    assert httpx.patch(f"{api}/deployments/{tiny['id']}", json={"parameters": {"config_path": str(config)}},
+                       timeout=10).status_code == 204
     # Shared servers: give the deployment its registered defaults back for the tests that follow.
     request.addfinalizer(lambda: httpx.patch(f"{api}/deployments/{tiny['id']}",
                                              json={"parameters": tiny["parameters"]}, timeout=10))
     # The team's experiment exists before runs start (two runs creating it at the same moment race).
-    MlflowClient(team_servers.mlflow).create_experiment("eagleops-browser")
+    MlflowClient(mlflow_ui).create_experiment("eagleops-browser")
     earlier = deployment_run_ids(api, tiny["id"])  # runs other tests of this session started
-    # A second run to compare with, started at once so both run side by side on the worker.
-    other = httpx.post(f"{api}/deployments/{tiny['id']}/create_flow_run", timeout=30,
-                       json={"parameters": {**defaults, "overrides": {"num_steps": 4}}}).json()
+    # A second, cheap run to compare with, started at once so both run side by side on the worker.
+    other = httpx.post(f"{api}/deployments/{tiny['id']}/create_flow_run", timeout=30, json={
+        "parameters": {"config_path": str(config), "stages": ["check_environment"], "overrides": {"num_steps": 4}}}).json()
 
-    browser.get(f"{ui}/deployments/deployment/{tiny['id']}")
-    wait_for_text(browser, "eagle3-experiment")
-    browser.save_screenshot(str(screenshots / "01-prefect-deployment.png"))
-    click_text(browser, "button", "Run")
-    click_text(browser, "*", "Custom run")
-    wait_for_text(browser, "Parameters")
-    fill_optional_int(browser, "Num Steps", 3)
-    browser.save_screenshot(str(screenshots / "02-prefect-custom-run-form.png"))
-    click_text(browser, "button", "Submit")
-    run_id = wait_for(browser, lambda d: form_run_id(api, tiny["id"], earlier | {other["id"]}),
-                      "the run the form created")
-    browser.save_screenshot(str(screenshots / "03-prefect-after-submit.png"))
-
+    run_id = submit_custom_run(browser, screenshots, team_servers, tiny["id"], earlier | {other["id"]})
     run = wait_for_run(api, run_id, cpu_worker)
     assert run["state"]["type"] == "COMPLETED", worker_errors(cpu_worker)
-    assert run["parameters"]["overrides"]["num_steps"] == 3  # what was typed into the form
-    assert run["parameters"]["config_path"] == str(config)
-    browser.get(f"{ui}/runs/flow-run/{run_id}")
-    wait_for_text(browser, "Completed")
-    browser.save_screenshot(str(screenshots / "04-prefect-flow-run-completed.png"))
+    # what was typed, and what the untouched form sent: the config path, every stage, no run folder
+    assert (run["parameters"]["overrides"]["num_steps"], run["parameters"]["overrides"]["num_draft_tokens"]) == (2, 3)
+    assert run["parameters"]["config_path"] == str(config) and len(run["parameters"]["stages"]) == 7
+    assert run["name"] == "browser 2/1/3"  # the experiment and the setting, not a random name
     assert wait_for_run(api, other["id"], cpu_worker)["state"]["type"] == "COMPLETED", worker_errors(cpu_worker)
 
-    client = MlflowClient(team_servers.mlflow)
+    client = MlflowClient(mlflow_ui)
     experiment = client.get_experiment_by_name("eagleops-browser")
     parents = {r.data.tags["prefect.flow_run_id"]: r for r in client.search_runs(
         [experiment.experiment_id], "tags.`eagleops.kind` = 'experiment'")}
     ours, theirs = parents[run_id], parents[other["id"]]
+    links = run_links(mlflow_ui, ours.info.run_id)
+    assert_runs_table_shows_the_headline(browser, screenshots, links, ours)
+    follow_the_links_both_ways(browser, screenshots, team_servers.prefect_ui, links, ours, run_id)
 
-    browser.get(f"{team_servers.mlflow}/#/experiments/{experiment.experiment_id}/runs")
-    wait_for_text(browser, ours.info.run_name)
-    wait_for_text(browser, theirs.info.run_name)
-    browser.save_screenshot(str(screenshots / "05-mlflow-runs-table.png"))
+    # The draft the run registered, on the registry's page.
+    (version,) = client.search_model_versions("name = 'browser-draft'")
+    assert client.get_run(version.run_id).data.tags["mlflow.parentRunId"] == ours.info.run_id
+    browser.get(model_version_url(mlflow_ui, "browser-draft", version.version))
+    wait_for_text(browser, f"Version {version.version}")
+    browser.save_screenshot(str(screenshots / "09-mlflow-registered-draft.png"))
 
     ids = json.dumps([ours.info.run_id, theirs.info.run_id])
-    browser.get(f"{team_servers.mlflow}/#/compare-runs?runs={quote(ids)}&experiments={quote(json.dumps([experiment.experiment_id]))}")
+    browser.get(f"{mlflow_ui}/#/compare-runs?runs={quote(ids)}&experiments={quote(json.dumps([experiment.experiment_id]))}")
     wait_for_text(browser, "deploy.speculative.num_steps")
-    body = browser.find_element("tag name", "body").text
+    body = body_text(browser)
     assert ours.info.run_name in body and theirs.info.run_name in body
-    browser.save_screenshot(str(screenshots / "06-mlflow-compare-two-runs.png"))
-    assert len(list(screenshots.glob("*.png"))) == 6
+    browser.save_screenshot(str(screenshots / "10-mlflow-compare-two-runs.png"))
+    assert len(list(screenshots.glob("*.png"))) == 10
+
+
+def submit_custom_run(driver, screenshots: Path, servers, deployment_id: str, not_these: set[str]) -> str:
+    """Check the Custom run form in both UIs, then fill and submit it in the default one; the new run's id."""
+    # UI v1 (the old one, still served at /) renders the same form readably.
+    driver.get(f"{servers.prefect_ui}/deployments/deployment/{deployment_id}/run")
+    wait_for_text(driver, "path on the worker")
+    assert_custom_run_form_reads_right(driver)
+    # The UI a new user lands on: Prefect 3.9 redirects / to v2.
+    driver.get(servers.prefect_ui)
+    wait_for(driver, lambda d: "/v2" in d.current_url, "the redirect to Prefect's default UI")
+    driver.get(f"{servers.prefect_ui}/v2/deployments/deployment/{deployment_id}")
+    wait_for_text(driver, "eagle3-experiment")
+    driver.save_screenshot(str(screenshots / "01-prefect-deployment.png"))
+    click_text(driver, "button", "Run")
+    click_text(driver, "*", "Custom run")
+    wait_for_text(driver, "path on the worker")
+    assert_custom_run_form_reads_right(driver)
+    fill_field(driver, "Num Steps", 2)
+    fill_field(driver, "Num Draft Tokens", 3)
+    driver.save_screenshot(str(screenshots / "02-prefect-custom-run-form.png"))
+    click_text(driver, "button", "Submit")
+    run_id = wait_for(driver, lambda d: form_run_id(servers.prefect_api, deployment_id, not_these),
+                      "the run the form created")
+    driver.save_screenshot(str(screenshots / "03-prefect-after-submit.png"))
+    return run_id
+
+
+def assert_runs_table_shows_the_headline(driver, screenshots: Path, links: dict[str, str], ours) -> None:
+    """Right after the run, in this fresh profile: the printed experiment link opens the training runs table with
+    tok/s, speedup and both accept lengths as columns, holding this run's figures."""
+    driver.get(links["experiment"])
+    wait_for_text(driver, ours.info.run_name)
+    wait_for(driver, lambda d: set(HEADLINE_METRICS[:4]) <= set(header_texts(d)), "the headline metric columns")
+    driver.save_screenshot(str(screenshots / "04-mlflow-experiment-after-the-run.png"))
+    assert "Model training" in body_text(driver) and "Evaluation runs" not in body_text(driver)
+    name = f"//div[@role='row'][.//a[normalize-space()='{ours.info.run_name}']]"
+    row = wait_for(driver, lambda d: d.find_elements("xpath", name), "our run's row")[0].get_attribute("row-index")
+    for metric in HEADLINE_METRICS[:4]:
+        cell = driver.find_element("css selector", f"[row-index='{row}'] [col-id='metrics.`{metric}`']")
+        assert float(cell.text) == pytest.approx(ours.data.metrics[metric], abs=0.01), (metric, cell.text)
+
+
+def follow_the_links_both_ways(driver, screenshots: Path, prefect_ui: str, links: dict[str, str], ours,
+                               run_id: str) -> None:
+    """MLflow run -> its Prefect flow run (the description's link, in Prefect's default UI) -> the flow run's link
+    artifact -> the MLflow run again."""
+    driver.get(links["run"])
+    wait_for_text(driver, ours.info.run_name)
+    assert ours.data.tags["prefect.flow_run_url"] == f"{prefect_ui}/v2/runs/flow-run/{run_id}"
+    to_prefect = wait_for(driver, lambda d: d.find_elements("css selector", f"a[href$='/runs/flow-run/{run_id}']"),
+                          "the Prefect link in the run's description")[0]
+    driver.save_screenshot(str(screenshots / "05-mlflow-run-with-prefect-link.png"))
+    follow_new_tab(driver, to_prefect)
+    wait_for_text(driver, "browser 2/1/3")
+    wait_for_text(driver, "Completed")
+    driver.save_screenshot(str(screenshots / "06-prefect-flow-run.png"))
+    click_text(driver, "button", "Artifacts")
+    click_text(driver, "*", "browser-mlflow-run")
+    back = wait_for(driver, lambda d: d.find_elements("css selector", f"a[href='{links['run']}']"),
+                    "the artifact's link to the MLflow run")[0]
+    driver.save_screenshot(str(screenshots / "07-prefect-link-artifact.png"))
+    back.click()
+    wait_for(driver, lambda d: ours.info.run_id in d.current_url, "the MLflow run page")
+    wait_for_text(driver, ours.info.run_name)
+    driver.save_screenshot(str(screenshots / "08-mlflow-run-from-prefect.png"))
+
+
+def header_texts(driver) -> list[str]:
+    """The MLflow runs table's column headers as shown (a header scrolled out of view has no text)."""
+    return [h.text.strip() for h in driver.find_elements("css selector", ".ag-header-cell") if h.text.strip()]

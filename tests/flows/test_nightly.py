@@ -39,6 +39,7 @@ from tasks.pipeline import StageContext
 from tasks.rundir import RunDirectory, digest_paths, file_sha256
 from tests.mlflow_server import MlflowServer, free_port
 from tests.helpers import reference_servers_alive
+from tests.browser.test_ui import browser, screenshots  # noqa: F401  (fixtures)
 
 MODEL = "nightly-draft"
 CONFIG = """\
@@ -218,6 +219,26 @@ def test_worse_draft_is_refused_and_the_champion_unchanged(nightlies, postgres_m
     assert any("version 2 **promoted**" in m for m in markdown)
 
 
+def version_rows(driver) -> dict[str, str]:
+    """The model page's versions table as shown: {"Version 2": the row's text, ...}."""
+    rows = driver.find_elements("xpath", "//*[@role='row'][.//a[starts-with(normalize-space(), 'Version ')]]")
+    return {row.find_element("xpath", ".//a[starts-with(normalize-space(), 'Version ')]").text: row.text for row in rows}
+
+
+@pytest.mark.slow
+def test_the_registry_page_shows_the_champion_and_the_previous_one(nightlies, postgres_mlflow, browser, screenshots):
+    """In a fresh browser, after the nightlies: the model's page lists every version, the aliases on theirs."""
+    from tests.browser.test_ui import wait_for
+
+    browser.get(f"{postgres_mlflow.uri}/#/models/{MODEL}?workflowType=machine_learning")
+    rows = wait_for(browser, lambda d: len(version_rows(d)) == 3 and version_rows(d), "the three versions")
+    champion = browser.find_element("xpath", "//*[@role='row'][.//a[normalize-space()='Version 2']]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", champion)  # lineage tags make rows tall
+    browser.save_screenshot(str(screenshots / "mlflow-registry-after-nightlies.png"))
+    assert "@ champion" in rows["Version 2"] and "@ previous" in rows["Version 1"], rows
+    assert "@" not in rows["Version 3"], rows  # refused: no alias
+
+
 @pytest.mark.slow
 def test_champion_downloads_as_a_directory_sglang_loads(nightlies, postgres_mlflow, tmp_path, monkeypatch):
     # models:/ URIs resolve through the default tracking/registry store, not download_artifacts' tracking_uri
@@ -254,6 +275,23 @@ def test_resumed_nightly_reapplies_its_recorded_decision_without_measuring_again
     assert dict(client.get_registered_model(MODEL).aliases) == {"champion": "2", "previous": "1"}
     stages = manifest(third["result"]["run_dir"])["stages"]
     assert [a["attempt"] for a in stages["train_draft"]["attempts"]] == [1]
+
+
+def test_the_cli_says_which_version_moved_and_links_its_registry_page():
+    from flows.cli import nightly_outcome
+
+    promoted = {"promoted": True, "model": "eagleops-tiny-draft", "challenger": "2", "champion_before": None,
+                "reason": "promoted: first champion (there was none); accept length 3.52, 404.2 tok/s at concurrency 1"}
+    assert nightly_outcome(promoted, "sqlite:////srv/runs/mlflow.db") == [
+        "[green]promoted[/green] eagleops-tiny-draft version 2 to champion: first champion (there was none); "
+        "accept length 3.52, 404.2 tok/s at concurrency 1",
+        "MLflow model: http://127.0.0.1:5000/#/models/eagleops-tiny-draft/versions/2?workflowType=machine_learning"]
+    refused = {**promoted, "promoted": False, "challenger": "3", "champion_before": "2",
+               "reason": "refused: accept length 1.02 < 3.41 (nightly.accept_length_tolerance 0.0)"}
+    assert nightly_outcome(refused, "http://mlflow.team:5000/") == [
+        "[yellow]kept the champion[/yellow] (version 2); eagleops-tiny-draft version 3 refused: accept length 1.02 "
+        "< 3.41 (nightly.accept_length_tolerance 0.0)",
+        "MLflow model: http://mlflow.team:5000/#/models/eagleops-tiny-draft/versions/3?workflowType=machine_learning"]
 
 
 # ------------------------------------------------------------------ the decision alone

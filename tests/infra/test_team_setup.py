@@ -67,7 +67,7 @@ def test_every_deployment_of_prefect_yaml_is_registered_with_its_pool_and_schema
         assert found["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]["directory"] == str(REPO)
     tiny = deployment(api, "tiny")
     assert tiny["parameters"] == {"config_path": "configs/tiny.yaml"}
-    assert tiny["parameter_openapi_schema"]["definitions"]["ConfigOverrides"]["properties"]["num_steps"]["anyOf"][0]["minimum"] == 1
+    assert tiny["parameter_openapi_schema"]["definitions"]["ConfigOverrides"]["properties"]["num_steps"]["minimum"] == 1
 
 
 def test_deploy_flows_made_the_pools_and_a_one_run_queue_per_gpu_host(team_servers, deployed):
@@ -125,17 +125,36 @@ def test_the_server_refuses_a_bad_parameter_before_a_run_exists(team_servers, de
     assert len(runs_of(api, tiny["id"])) == before
 
 
-def test_the_nightly_schedule_is_a_cron_with_a_timezone(team_servers, deployed):
+def test_the_nightly_schedule_is_a_cron_with_a_timezone_the_ui_can_show(team_servers, deployed):
     declared = next(d for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"] if d["name"] == "nightly")
     assert declared["entrypoint"] == "flows/nightly.py:nightly_retrain"
     schedule = declared["schedules"][0]
     assert schedule["cron"] == "0 2 * * *" and schedule["active"] is True
     ZoneInfo(schedule["timezone"])  # a real IANA zone, or this raises
+    # Prefect's UI labels the cron without its zone: the slug (UI v1 shows it instead) and the description name it.
+    assert f"02:00 {schedule['timezone']}" in schedule["slug"] and f"02:00 {schedule['timezone']}" in declared["description"]
     if not deployed["nightly_deployed"]:
         pytest.skip("flows/nightly.py is not in this checkout yet: schedule checked in prefect.yaml only")
     found = deployment(team_servers.prefect_api, "nightly", "eagle3-nightly")
-    stored = found["schedules"][0]["schedule"]
-    assert (stored["cron"], stored["timezone"], found["schedules"][0]["active"]) == ("0 2 * * *", schedule["timezone"], True)
+    stored = found["schedules"][0]
+    assert (stored["schedule"]["cron"], stored["schedule"]["timezone"], stored["active"], stored["slug"]) == \
+        ("0 2 * * *", schedule["timezone"], True, schedule["slug"])
+
+
+def test_a_flow_runs_address_opens_in_the_ui_the_server_opens_by_default(team_servers):
+    """The link eagleops puts on the MLflow run: Prefect 3.9.1 serves UI v1 at / and v2 (its default) at /v2, and
+    only / itself redirects to the default, so the deep link names the default UI's base."""
+    from tasks.tracking import prefect_flow_run_url
+
+    settings = httpx.get(f"{team_servers.prefect_ui}/ui-settings", timeout=10).json()
+    base = settings[f"{settings['default_ui']}_base_url"].rstrip("/")
+    with temporary_settings({PREFECT_API_URL: team_servers.prefect_api}):
+        url = prefect_flow_run_url("0b1f6a52-5a1e-4b43-9a39-2f7c4f2b0c11")
+    assert url == f"{team_servers.prefect_ui}{base}/runs/flow-run/0b1f6a52-5a1e-4b43-9a39-2f7c4f2b0c11"
+    page = httpx.get(url, headers={"Accept": "text/html"}, timeout=10, follow_redirects=False)
+    assert page.status_code == 200 and "<html" in page.text.lower()
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert prefect_flow_run_url("0b1f6a52-5a1e-4b43-9a39-2f7c4f2b0c11") is None  # no UI answers: no link
 
 
 def test_a_ui_run_of_the_tiny_deployment_completes_and_lands_in_mlflow(team_servers, cpu_worker, tmp_path):
