@@ -217,7 +217,7 @@ def test_fp8_streamed_shards_train_like_fp8_offline_shards(datasets, tiny_target
     producer = start_producer(tiny_target_dir, folders["stream"], stream_dir, tmp_path, dtype="float8_e4m3")
     rows = run_training(folders["stream"], tiny_target_dir, cfg, out_dir, aux)
     summary = producer_outcome(producer)
-    assert losses(rows) == expected and len(expected) == 6
+    assert losses(rows) == expected and len(expected) == 6 + 1  # 6 steps, the validation after the last
     assert json.loads((stream_dir / MANIFEST).read_text())["dtype"] == "float8_e4m3" and summary["shards_captured"] == 6
 
 
