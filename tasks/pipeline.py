@@ -47,6 +47,7 @@ from tasks.tracking import (
     git_commit,
     mark_run,
     reopen_run,
+    run_links,
     run_tags,
     short_error,
     start_child_run,
@@ -186,6 +187,18 @@ class DiskFull(StageFailed):
         self.stage, self.detail, self.run_dir = stage, detail, run_dir
         super().__init__(f"{stage} failed: {detail}; free space, then resume with: "
                          f"eagleops run {config_path} --run-dir {run_dir}")
+
+
+def _run_link(tracking_uri: str, run_id: str) -> str:
+    """The run's page in MLflow's UI in model-training mode (a link to the UI's root opens GenAI mode in a fresh
+    browser); empty when the store cannot say (its link then is whatever the user opens)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return run_links(tracking_uri, run_id)["run"]
+    except (MlflowException, OSError) as err:  # a link is a courtesy: no store error fails the run for it
+        logger().debug(f"no MLflow link for run {run_id}: {err}")
+        return ""
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -374,7 +387,8 @@ class Pipeline:
             mlflow={"tracking_uri": parent.tracking_uri, "parent_run_id": parent.run_id, "config_hash": self.config_hash},
             prefect_flow_run_ids=flow_runs,
         )
-        logger().info(f"MLflow parent run {parent.run_id} at {parent.tracking_uri}")
+        link = "" if parent.offline else _run_link(parent.tracking_uri, parent.run_id)
+        logger().info(f"MLflow parent run {parent.run_id} at {parent.tracking_uri}" + (f": {link}" if link else ""))
         return parent
 
     def _close_stale_attempts(self) -> None:
