@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 # The test-size tiny target (builds in seconds): 7 layers so SGLang's default aux layers are distinct.
 TEST_TARGET_YAML = """\
@@ -56,3 +59,20 @@ def reference_servers_alive(marker: str) -> list[int]:
         if "eagle3.serve" in line and marker in line:
             found.append(proc.info["pid"])
     return found
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. 192m) mounted at `mount` (created) for the block, unmounted after (lazily: a process
+    may still hold a file there open); skips the test where mounting is not allowed."""
+    import pytest
+
+    mount.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mount)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)

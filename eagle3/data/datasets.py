@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -76,22 +76,25 @@ class HiddenStateDataset(Dataset):
         name, start, length = self.index[i]
         fh = self._handle(name)
 
-        def rows(key: str) -> torch.Tensor:
-            return fh.get_slice(key)[start : start + length]
+        return shard_item(lambda key: fh.get_slice(key)[start : start + length], self.dtype, self.decode_on_host)
 
-        item = {
-            "input_ids": rows("input_ids").long(),
-            "loss_mask": rows("loss_mask").long(),
-            "aux_hidden_states": rows("aux_hidden_states"),
-            "last_hidden_states": rows("last_hidden_states"),
-        }
-        if self.dtype == FP8:
-            scales = rows(SCALES_KEY)
-            if self.decode_on_host:
-                item["aux_hidden_states"] = decode_aux(item["aux_hidden_states"], scales)
-            else:
-                item[SCALES_KEY] = scales
-        return item
+
+def shard_item(rows: Callable[[str], torch.Tensor], dtype: str, decode_on_host: bool) -> dict[str, torch.Tensor]:
+    """One sample as training reads it, from `rows(key)`: its rows of a shard's tensor `key` (the item contract
+    in HiddenStateDataset's docstring; fp8 states decoded here with `decode_on_host`, else with their scales)."""
+    item = {
+        "input_ids": rows("input_ids").long(),
+        "loss_mask": rows("loss_mask").long(),
+        "aux_hidden_states": rows("aux_hidden_states"),
+        "last_hidden_states": rows("last_hidden_states"),
+    }
+    if dtype == FP8:
+        scales = rows(SCALES_KEY)
+        if decode_on_host:
+            item["aux_hidden_states"] = decode_aux(item["aux_hidden_states"], scales)
+        else:
+            item[SCALES_KEY] = scales
+    return item
 
 
 class TokenizedDataset(Dataset):

@@ -27,7 +27,7 @@ import pytest
 from eagle3.data.files import atomic_write_text
 from tasks.diskspace import describe_disk_full
 from tasks.rundir import write_json_atomic
-from tests.helpers import TEST_TARGET_YAML
+from tests.helpers import TEST_TARGET_YAML, mounted_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 DISK_SIZE = "192m"  # the stage's own check wants 100 MiB of headroom free when it starts
@@ -64,18 +64,10 @@ runs_root: {runs}
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 192 MiB tmpfs mounted at tmp_path/disk for the test, unmounted after."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE},mode=0755", "tmpfs", str(mount)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
+    """A 192 MiB tmpfs mounted at tmp_path/disk for the test, unmounted after (lazily: this process's MLflow
+    keeps its SQLite store on the disk open)."""
+    with mounted_tmpfs(tmp_path / "disk", DISK_SIZE) as mount:
         yield mount
-    finally:
-        # Lazy: this process's MLflow keeps its SQLite store on the disk open.
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def fill(disk: Path, leave: int = 0) -> Path:

@@ -24,7 +24,8 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from eagle3.data.state_codec import FP8, SCALES_KEY, STATE_DTYPES, decode_aux
+from eagle3.data.datasets import shard_item
+from eagle3.data.state_codec import FP8, STATE_DTYPES
 from eagle3.training.schedule import DataPlan
 from eagle3.training.streaming.layout import (
     producer_alive,
@@ -96,19 +97,8 @@ class StreamedDataset(Dataset):
             lengths = fh.get_slice("lengths")[:].tolist()
             row = slot - self.stream.slots_of(shard)[0]
             start, length = sum(lengths[:row]), lengths[row]
-
-            def rows(key: str) -> torch.Tensor:
-                return fh.get_slice(key)[start : start + length]  # a copy: nothing maps the file once it closes
-
-            item = {"input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").long(),
-                    "aux_hidden_states": rows("aux_hidden_states"), "last_hidden_states": rows("last_hidden_states")}
-            if self.dtype == FP8:
-                scales = rows(SCALES_KEY)
-                if self.decode_on_host:
-                    item["aux_hidden_states"] = decode_aux(item["aux_hidden_states"], scales)
-                else:
-                    item[SCALES_KEY] = scales
-        return item
+            # get_slice copies the rows: nothing maps the file once it closes
+            return shard_item(lambda key: fh.get_slice(key)[start : start + length], self.dtype, self.decode_on_host)
 
     def _check_shard(self, fh, path: Path, shard: int) -> None:
         key = (fh.metadata() or {}).get("stream_key")

@@ -33,6 +33,7 @@ from eagle3.training.streaming.layout import (
     shard_name,
     start_session,
 )
+from tests.helpers import mounted_tmpfs
 
 REPO = Path(__file__).resolve().parents[3]
 BUDGET_GB = 0.0012  # ~3 shards of ~0.4 MB: the whole stream (2 epochs, 18 shards) is ~7 MB
@@ -73,16 +74,8 @@ def datasets(tiny_target_dir, tmp_path_factory):
 def disk(tmp_path):
     """A 32 MiB tmpfs mounted as the stream folder of a training run at tmp_path/run: its usage counts every
     byte there, deleted-but-open files too (and nothing of the run's checkpoints beside it)."""
-    mount = tmp_path / "run" / "stream"
-    mount.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0755", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "run" / "stream", "32m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 class UsageProbe:
