@@ -3,7 +3,8 @@ training, watched while it runs, stopped after it (eagle3.training.streaming hol
 
 In order, around train_draft's training (tasks.train locally, tasks.train_nodes on the data host):
 1. a capture side an earlier, killed orchestrator left running is stopped (`stream.json` in the stage
-   folder records where it runs);
+   folder records where it runs), and the shards earlier attempts of the stage left on the data host are
+   deleted (the budget bounds the stream, not each attempt);
 2. a new stream session in the training run's stream folder (`<out_dir>/stream`, beside the checkpoints,
    on the data host): training's order over the train split (DataPlan, world size, total steps), the
    shard size and the stall timeout, written before either side starts;
@@ -89,6 +90,7 @@ class CaptureSide:
 def capture_side(cfg: ExperimentConfig, ctx: StageContext, place: StreamPlace, world_size: int) -> Iterator[CaptureSide]:
     """Steps 1-3 of the module docstring; the capture side is stopped when the block exits."""
     _stop_leftover(ctx, place)
+    _drop_other_attempts_shards(place)
     data = ctx.upstream["generate_data"]
     stream = plan_stream(cfg.train, data["num_samples"]["train"], world_size, cfg.data.shard_size)
     place.executor.makedirs(place.job_root)
@@ -132,6 +134,22 @@ def _stop_leftover(ctx: StageContext, place: StreamPlace) -> None:
     if record.get("host") == place.host and record.get("pid") and place.executor.is_alive(record["pid"]):
         logger().warning(f"stream: stopping the capture side (pid {record['pid']}) an earlier run left on {place.host}")
         place.executor.kill_group(record["pid"])
+
+
+def _drop_other_attempts_shards(place: StreamPlace) -> None:
+    """Streamed shards an earlier attempt of this stage left on the data host (it failed; its config changed
+    since): the budget bounds the stream's disk, not each attempt's. Only shards go -- recapturable scratch;
+    the attempts' checkpoints and logs stay."""
+    parts = place.train_out_dir.split("/")
+    attempts = [i for i, part in enumerate(parts) if part.startswith("attempt-")]
+    if not attempts:
+        return
+    stage, this = "/".join(parts[: attempts[-1]]), "/".join(parts[: attempts[-1] + 1])
+    found = place.executor.run(["find", stage, "-path", f"*/{STREAM_DIR}/shard-*.safetensors", "-not", "-path",
+                                f"{this}/*", "-print", "-delete"], log_output=False, timeout=300).stdout.split()
+    if found:
+        logger().info(f"stream: deleted {len(found)} streamed shards earlier attempts left on {place.host} "
+                      f"(under {stage})")
 
 
 @contextlib.contextmanager
