@@ -9,7 +9,6 @@ writer thread while it is being captured (`_capture_and_write`, `_ShardStream`).
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +20,7 @@ import torch
 from eagle3.config import DataConfig
 from eagle3.data.capture import FeatureExtractor
 from eagle3.data.disk import _dump_bytes, check_disk_space
-from eagle3.data.files import LogFn, ProgressFn, removed_on_failure
+from eagle3.data.files import LogFn, ProgressFn
 from eagle3.data.state_codec import SCALES_KEY, encode_aux_fp8, scale_block
 from eagle3.data.shards import (
     SPLITS,
@@ -34,6 +33,7 @@ from eagle3.data.shards import (
     _verified_shards,
     _write_manifest,
     plan_shards,
+    write_hashed,
 )
 
 
@@ -308,19 +308,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _write_streamed_shard(stream: _ShardStream, path: Path) -> tuple[str, int]:
     """`_write_hidden_shard` of a shard still being captured: each block is written (and hashed, on a
     second thread, in file order) once the rows it holds are in. Same bytes, same temp name."""
-    digest, size = hashlib.sha256(), 0
     try:
-        with removed_on_failure(_temp_name(path), path), _temp_name(path).open("wb") as fh, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash") as hasher:
-            hashed = None
-            for block in _safetensors_blocks(stream.tensors):
-                stream.wait_until_written(size + len(block))
-                if hashed is not None:
-                    hashed.result()  # blocks must reach the digest in file order
-                hashed = hasher.submit(digest.update, block)
-                fh.write(block)
-                size += len(block)
-            hashed.result()
+        return write_hashed(path, _safetensors_blocks(stream.tensors), ready=stream.wait_until_written)
     finally:
         stream.tensors = None  # the shard's RAM goes as soon as its file is written
-    return digest.hexdigest(), size

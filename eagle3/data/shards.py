@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -99,17 +99,28 @@ def _write_hidden_shard(tensors: dict, path: Path, metadata: dict[str, str] | No
     states). Both release the GIL, so this also runs beside the next shard's capture. A failed
     write (a full disk) removes the temp file and names the shard in its error.
     """
+    return write_hashed(path, _safetensors_blocks(tensors, metadata))
+
+
+def write_hashed(path: Path, blocks: Iterable[memoryview | bytes],
+                 ready: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """Write `blocks` to `path`'s hidden temp name (`_temp_name`), each hashed on a second thread in file
+    order while the next is written; `ready(end)` is awaited before the block that ends at byte `end` (a
+    shard still being captured). Returns (sha256, bytes); a failed write removes the temp file."""
     digest, size = hashlib.sha256(), 0
     with removed_on_failure(_temp_name(path), path), _temp_name(path).open("wb") as fh, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-hash") as hasher:
         hashed = None
-        for block in _safetensors_blocks(tensors, metadata):
+        for block in blocks:
+            if ready is not None:
+                ready(size + len(block))
             if hashed is not None:
                 hashed.result()  # blocks must reach the digest in file order
             hashed = hasher.submit(digest.update, block)
             fh.write(block)
             size += len(block)
-        hashed.result()
+        if hashed is not None:
+            hashed.result()
     return digest.hexdigest(), size
 
 
