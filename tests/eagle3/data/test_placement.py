@@ -89,6 +89,17 @@ def test_simulated_devices_split_the_target_and_capture_equals_one_device(tiny_t
     assert split.engine_record()["device_map"] == device_map
 
 
+def test_local_regeneration_through_the_placement_generates_what_one_device_does(tiny_target_dir, monkeypatch):
+    """HF generate with a KV cache over three simulated devices (data.regenerate.backend local)."""
+    one, _ = load_target(tiny_target_dir)
+    monkeypatch.setenv(SIMULATED_DEVICES_ENV, three_devices(one))
+    placed, device_map = load_engine_target(tiny_target_dir, TargetConfig(dtype="float32"))
+    assert len(set(device_map.values())) == 3
+    prompt = torch.tensor([ROWS[0]])
+    want = one.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(placed.generate(prompt, max_new_tokens=12, do_sample=False), want)
+
+
 def test_a_target_larger_than_the_simulated_devices_is_refused_before_loading(tiny_target_dir, monkeypatch):
     monkeypatch.setenv(SIMULATED_DEVICES_ENV, "2x10KB")
     with pytest.raises(PlacementError, match=r"needs 0\.\d+ MB for its weights, but simulated:0 \(10.0 KB\), "
