@@ -277,10 +277,11 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
             t1 = time.perf_counter()
             train_step(loss_fn, optimizer, params, device, autocast_dtype)
             times.append((time.perf_counter() - t1) * 1e3)
+    back_to_back_ms = time_back_to_back(train_step, (loss_fn, optimizer, params, device, autocast_dtype), args.iters)
     ms, batch = statistics.median(times), data["input_ids"].shape[0]
     result = {"variant": variant, "batch": batch, "ms_per_step": ms, "ms_min": min(times), "ms_max": max(times),
               "tokens_per_s": batch * args.seq / (ms * 1e-3), "first_loss": first_loss, "first_grad_norm": first_grad_norm, "warmup_s": warmup_s,
-              "times_ms": times,
+              "times_ms": times, "ms_back_to_back": back_to_back_ms,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     result["persistent_weight_copies"] = len(fused_layer._persistent_copies)  # 0 where they do not apply
     if args.profile and variant in args.profile.split(",") and device.type == "cuda":
@@ -290,6 +291,21 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     for p in params:
         p.grad = None
     return result
+
+
+def time_back_to_back(step, step_args, iters: int) -> float | None:
+    """ms per step over `iters` steps launched back to back (one sync at the end), as the training
+    loop runs them: the host may run ahead, so a step's launch latency hides behind the one before."""
+    device = step_args[3]
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step(*step_args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def _kernel_category(name: str) -> str:
@@ -322,7 +338,27 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
     top = sorted(kernels, key=lambda k: -k[1])[:80]
     return {"ms_by_category": categories, "device_ms_total": sum(categories.values()),
             "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _kernel_category(n)}
-                            for n, ms, c in top]}
+                            for n, ms, c in top],
+            "idle": device_idle_gaps(prof, steps)}
+
+
+def device_idle_gaps(prof, steps: int, min_us: float = 5.0) -> dict:
+    """Where the GPU waits for the host: the time between one kernel's end and the next one's start
+    (kernels in start order, any stream), summed per step, and the largest gaps with their neighbours."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, reach = [], kernels[0][1] if kernels else 0
+    for (_, end, name), (start, nxt_end, nxt) in zip(kernels, kernels[1:]):
+        reach = max(reach, end)
+        if start - reach >= min_us:
+            gaps.append((start - reach, name[:70], nxt[:70]))
+        reach = max(reach, nxt_end)
+    span = (kernels[-1][1] - kernels[0][0]) if kernels else 0
+    return {"span_ms_per_step": span / steps / 1e3, "idle_ms_per_step": sum(g[0] for g in gaps) / steps / 1e3,
+            "gaps_per_step": len(gaps) / steps,
+            "largest": [{"us": round(us, 1), "after": a, "before": b} for us, a, b in sorted(gaps, reverse=True)[:15]]}
 
 
 # ---------------------------------------------------------------- the real trainer loop
@@ -705,15 +741,16 @@ def print_table(report: dict) -> None:
           f"{report['matmul_tflops']:.3g} TFLOP/s{rates}, useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, "
           f"seq {report['seq']}, TTT {report['ttt']}")
     print(f"{'variant':<18}{'batch':>6}{'ms/step':>10}{'tok/s':>10}{'MFU':>8}{'MFU@ref':>9}{'peak GiB':>10}"
-          f"{'loss@0':>10}{'|g|@0':>10}   (ref {report['ref_tflops']:.0f} TFLOP/s)")
+          f"{'loss@0':>10}{'|g|@0':>10}{'b2b ms':>8}   (ref {report['ref_tflops']:.0f} TFLOP/s; b2b: steps back to back)")
     for r in report["results"]:
         if "error" in r:
             print(f"{r['variant']:<18} {r['error']}")
             continue
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
+        b2b = f"{r['ms_back_to_back']:>8.1f}" if r.get("ms_back_to_back") else f"{'-':>8}"
         print(f"{r['variant']:<18}{r['batch']:>6}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.0f}"
               f"{100 * r['mfu']:>7.1f}%{100 * r['mfu_ref']:>8.1f}%{mem:>10}{r['first_loss']:>10.4f}"
-              f"{r['first_grad_norm']:>10.4f}")
+              f"{r['first_grad_norm']:>10.4f}{b2b}")
     pooled = pooled_repeats(report)
     if pooled:
         print(f"\nvariants measured more than once (alternating, so clock drift hits each alike): median of all "
@@ -733,6 +770,12 @@ def print_table(report: dict) -> None:
                 print(f"  {cat:<20}{ms:>8.2f}")
             for k in prof["top_kernels"][:40]:
                 print(f"  {k['ms']:>7.2f} ms x{k['calls']:<4} {k['name'][:110]}")
+            idle = prof.get("idle")
+            if idle:
+                print(f"  device idle between kernels: {idle['idle_ms_per_step']:.2f} ms of a {idle['span_ms_per_step']:.1f} ms"
+                      f" span per step ({idle['gaps_per_step']:.0f} gaps >= 5 us); largest:")
+                for g in idle["largest"]:
+                    print(f"  {g['us']:>8.1f} us after {g['after']}  before {g['before']}")
     if report.get("max_batch_prediction"):
         pred = report["max_batch_prediction"]
         print(f"\nmemory: {pred['fixed_gib']:.1f} GiB + {pred['gib_per_sample']:.2f} GiB/sample of {pred['device_gib']:.0f}"
