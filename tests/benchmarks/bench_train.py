@@ -286,6 +286,8 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     result["persistent_weight_copies"] = len(fused_layer._persistent_copies)  # 0 where they do not apply
     if args.profile and variant in args.profile.split(",") and device.type == "cuda":
         result["profile"] = profile_step(loss_fn, optimizer, params, device, autocast_dtype)
+        if args.host_profile:
+            result["host_profile"] = host_profile_step(loss_fn, optimizer, params, device, autocast_dtype)
     reset_compiled(draft)
     del optimizer, loss_fn
     for p in params:
@@ -301,10 +303,14 @@ def time_back_to_back(step, step_args, iters: int) -> float | None:
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(iters):
         step(*step_args)
+    host_ms = (time.perf_counter() - t0) * 1e3 / iters
     end.record()
     torch.cuda.synchronize()
+    print(f"back to back: {start.elapsed_time(end) / iters:.2f} ms per step on the device, the host took "
+          f"{host_ms:.2f} ms per step to launch them (equal = the host sets the pace)", flush=True)
     return start.elapsed_time(end) / iters
 
 
@@ -340,6 +346,21 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
             "top_kernels": [{"name": n[:160], "ms": ms, "calls": c, "category": _kernel_category(n)}
                             for n, ms, c in top],
             "idle": device_idle_gaps(prof, steps)}
+
+
+def host_profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> str:
+    """The host's side of `steps` steps: ops by their own CPU time (what the GPU waits on in the gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+        _sync(device)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+    return f"host ms per step until the last launch (under the profiler): {host_ms:.1f}\n{table}"
 
 
 def device_idle_gaps(prof, steps: int, min_us: float = 5.0) -> dict:
@@ -577,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", default="fast_compiled", help="comma list of variants to profile ('' = none)")
+    parser.add_argument("--host-profile", action="store_true", help="with --profile: also the host's CPU time by op")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--loop", action="store_true", help="run the real trainer loop (see the docstring)")
     parser.add_argument("--modes", default="single,ddp,fsdp", help=f"--loop: comma list from {sorted(LOOP_MODES)}")
@@ -776,6 +798,8 @@ def print_table(report: dict) -> None:
                       f" span per step ({idle['gaps_per_step']:.0f} gaps >= 5 us); largest:")
                 for g in idle["largest"]:
                     print(f"  {g['us']:>8.1f} us after {g['after']}  before {g['before']}")
+        if "host_profile" in r:
+            print(f"\nhost profile of {r['variant']}:\n{r['host_profile']}")
     if report.get("max_batch_prediction"):
         pred = report["max_batch_prediction"]
         print(f"\nmemory: {pred['fixed_gib']:.1f} GiB + {pred['gib_per_sample']:.2f} GiB/sample of {pred['device_gib']:.0f}"
