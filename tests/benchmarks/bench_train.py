@@ -264,6 +264,13 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
         train_step(loss_fn, optimizer, params, device, autocast_dtype)
     _sync(device)
     warmup_s = time.perf_counter() - t0
+    # Then steps until --warmup-s of them have run: an H200 takes seconds under load to reach its
+    # steady clocks (the matmul probe read 600 then 662 TFLOP/s across one run), and a training run
+    # lives in that steady state for hours.
+    t1 = time.perf_counter()
+    while time.perf_counter() - t1 < args.warmup_s:
+        train_step(loss_fn, optimizer, params, device, autocast_dtype)
+        _sync(device)
     times = []
     for _ in range(args.iters):
         if device.type == "cuda":
@@ -596,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--chunk", type=int, default=8192, help="loss/teacher rows per chunk")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="then steps for this many seconds before timing "
+                        "(steady clocks)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--profile", default="fast_compiled", help="comma list of variants to profile ('' = none)")
     parser.add_argument("--host-profile", action="store_true", help="with --profile: also the host's CPU time by op")
