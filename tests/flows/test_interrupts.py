@@ -103,6 +103,37 @@ def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout: floa
     raise AssertionError(f"no {pattern!r} within {timeout}s:\n{log.read_text()[-3000:]}")
 
 
+def wait_for_stage(run_dir: Path, stage: str, status: str, proc: subprocess.Popen, log: Path,
+                   timeout: float = 120) -> None:
+    """Until the run folder's manifest records `stage` with `status` (the manifest is written atomically)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
+        if stages.get(stage, {}).get("status") == status:
+            return
+        assert proc.poll() is None, f"exited {proc.returncode} before {stage} was {status}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"{stage} not {status} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def served_requests(port: int) -> float:
+    """Requests the reference server on `port` has finished (its /metrics, as SGLang's)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:e2e_request_latency_seconds_count"))
+
+
+def wait_for_requests(port: int, count: float, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while served_requests(port) < count:
+        assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"fewer than {count} requests served within {timeout}s"
+        time.sleep(0.2)
+
+
 def run_dir_of(workdir: Path) -> Path:
     return max((workdir / "runs" / "interrupts").iterdir(), key=lambda p: p.stat().st_mtime)
 
@@ -250,11 +281,14 @@ bench: {{prompts: {workdir / 'cancel-prompts.jsonl'}, num_prompts: 1, max_new_to
     log = workdir / "cancel.log"
     proc = start_cli(["run", str(config)], log)
     wait_for_line(log, r"speculative 2/1/3: serving on local", proc)
-    wait_for_line(log, r"Task run 'run_benchmark", proc)
     run_dir = run_dir_of(workdir)
+    # run_benchmark logs its first line only after a whole setting's 1100 generations (~90 s here): wait for
+    # the stage to be recorded as running instead, then for its generations to reach the live server.
+    wait_for_stage(run_dir, "run_benchmark", "running", proc, log)
     servers = json.loads((run_dir / "servers.json").read_text())
-    live = [s["pid"] for s in servers.values() if s["status"] == "live"]
-    assert live and all(psutil.pid_exists(pid) for pid in live)
+    live = [s for s in servers.values() if s["status"] == "live"]
+    assert live and all(psutil.pid_exists(s["pid"]) for s in live)
+    wait_for_requests(live[0]["port"], served_requests(live[0]["port"]) + 3, proc, log)
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     servers = json.loads((run_dir / "servers.json").read_text())
