@@ -129,7 +129,17 @@ def test_teardown_goes_past_a_dead_host_and_a_gone_group_and_spares_a_reused_pid
     assert took < 20  # one connect and one retry to the dead host (its connect_retries: 5 would add ~30 s of backoff)
 
 
-def test_a_signal_during_the_teardown_waits_for_its_end(tmp_path):
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: the held signal is delivered to the handler
+    that was there before the teardown, and a library run in-process by an earlier test of the session may have
+    left another one (the full suite failed here once on CI, passing alone)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_during_the_teardown_waits_for_its_end(tmp_path, python_sigint):
     """SIGINT while the first server's port is still busy: the second is stopped too, then the signal lands
     (KeyboardInterrupt); inside an error's unwinding, that error stays the error."""
     for unwinding in (False, True):
