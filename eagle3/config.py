@@ -415,6 +415,18 @@ class TrainConfig(StrictModel):
         "dense EAGLE-3 mask (reference, O(ttt_steps * T^2) memory).",
     )
     compile: bool = Field(True, description="torch.compile the draft layer and loss chunks on CUDA (ignored on CPU).")
+    cuda_graphs: bool = Field(
+        True,
+        description="Replay each optimizer step (teacher, forward, backward, clip, AdamW) as a CUDA graph, so the "
+        "host's kernel launches leave the step: one GPU, compile on, stored hidden states (else ignored). A step's "
+        "micro-batches are padded to a multiple of cuda_graph_bucket tokens; each bucket is captured after 2 eager "
+        "steps and keeps its own graph.",
+    )
+    cuda_graph_bucket: int = Field(
+        256, ge=8, le=1_048_576,
+        description="With cuda_graphs: micro-batches are padded to a multiple of this many tokens (fewer graphs "
+        "and captures vs more padded positions computed for nothing).",
+    )
     loss_chunk_tokens: int = Field(
         8192, ge=16, le=1_048_576, description="Rows per chunk of the teacher logits and of the fused draft loss."
     )

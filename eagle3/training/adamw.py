@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from eagle3.draft.fused_layer import shadow_of, shadow_written
 
@@ -58,6 +59,28 @@ def uncompile_adamw() -> None:
     _adamw_fn, _enabled = _adamw_param, False
 
 
+# optimizer -> {(group index, device): the group's learning rate as a 0-dim fp32 device tensor}
+_lr_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _group_lr(optimizer: torch.optim.Optimizer, index: int, device: torch.device) -> Tensor:
+    """The group's lr on `device`, refreshed from the group here unless a CUDA graph is being captured: a
+    graph would freeze the value, so its replays read the tensor that `load_lr` refreshes before each."""
+    lrs = _lr_tensors.setdefault(optimizer, {})
+    lr = lrs.get((index, device))
+    if lr is None:
+        lr = lrs[(index, device)] = torch.empty((), dtype=torch.float32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        lr.fill_(float(optimizer.param_groups[index]["lr"]))  # a fill kernel, not a host->device copy (no sync)
+    return lr
+
+
+def load_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Write each group's current lr into the tensors a captured `adamw_step` reads (before a replay)."""
+    for (index, _), lr in _lr_tensors.get(optimizer, {}).items():
+        lr.fill_(float(optimizer.param_groups[index]["lr"]))
+
+
 def eligible(optimizer: torch.optim.Optimizer) -> bool:
     """A plain fused AdamW on CUDA, after `compile_adamw()`: what `adamw_step` implements."""
     return _enabled and type(optimizer) is torch.optim.AdamW and all(
@@ -68,7 +91,7 @@ def eligible(optimizer: torch.optim.Optimizer) -> bool:
 @torch.no_grad()
 def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor) -> None:
     """One step of `optimizer` (torch AdamW) with every gradient divided by `clip` (0-dim tensor >= 1)."""
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         beta1, beta2 = group["betas"]
         lr = None
         for param in group["params"]:
@@ -79,8 +102,8 @@ def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor) -> None:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            if lr is None or lr.device != param.device:  # a fill kernel, not a host->device copy (no sync)
-                lr = torch.full((), float(group["lr"]), dtype=torch.float32, device=param.device)
+            if lr is None or lr.device != param.device:
+                lr = _group_lr(optimizer, index, param.device)
             shadow = shadow_of(param)
             _adamw_fn(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
                       group["weight_decay"], group["eps"], clip.to(param.device), shadow)

@@ -36,6 +36,7 @@ from eagle3.training.checkpoints import (
 )
 from eagle3.training.distributed import DistInfo, all_reduce_sum, init_distributed
 from eagle3.training.schedule import DataPlan, build_lr_lambda, default_collate_fn, planned_steps
+from eagle3.training.step_graphs import StepGraphs, bucket_length, pad_time
 from eagle3.training.streaming.dataset import StreamedDataset
 from eagle3.training.ttt import (
     STAT_ROWS,
@@ -49,7 +50,7 @@ MetricsFn = Callable[[int, dict[str, float]], None]
 ProgressFn = Callable[[int, int], None]
 # Fields that may change between a run and its resume: they do not change the math.
 RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpoints", "num_workers", "prefetch_factor",
-                    "eval_max_batches", "rendezvous", "stall_timeout_s"}
+                    "eval_max_batches", "rendezvous", "stall_timeout_s", "cuda_graphs", "cuda_graph_bucket"}
 
 
 def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float) -> Tensor:
@@ -144,6 +145,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, build_lr_lambda(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
+        self.step_graphs = self._step_graphs()
         self.step, self.tokens_seen, self.history = 0, 0, []
         self.ckpt_root = self.out_dir / "checkpoints"
         self.last_checkpoint: Path | None = None
@@ -194,18 +196,21 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _prepare(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], int]:
-        """Move a collated batch to the device and add the teacher; returns (inputs, real tokens).
-
-        The padding check and the token count read the batch while it is still on the host: the
-        same checks on the device would wait for the GPU to drain (a sync per micro-batch). Copies
-        are non_blocking: from the loader's pinned buffers they overlap with queued compute.
-        """
+    @staticmethod
+    def _real_tokens(batch: dict[str, Tensor]) -> int:
+        """Tokens inside attention_mask, checked to be right-padded, read while the batch is still on the host:
+        the same checks on the device would wait for the GPU to drain (a sync per micro-batch)."""
         host_mask = batch["attention_mask"].bool()
         if (host_mask[:, 1:] & ~host_mask[:, :-1]).any():
             raise ValueError("attention_mask: expected right padding (ones then zeros per row)")
-        real_tokens = int(host_mask.sum())
-        batch = {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+        return int(host_mask.sum())
+
+    def _to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """non_blocking copies: from the loader's pinned buffers they overlap with queued compute."""
+        return {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+
+    def _prepare(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The module's inputs for a collated batch on the device: hidden states decoded or computed, the teacher."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"].bool()
         if "aux_scales" in batch:  # fp8 shards (HiddenStateDataset decode="device"): decoded here, on the device
             aux = decode_aux(batch["aux_hidden_states"], batch["aux_scales"], self.autocast_dtype or torch.float32)
@@ -222,16 +227,15 @@ class Trainer:
                                                          self.cfg.loss_chunk_tokens, self.logit_softcap,
                                                          columns=self.draft.draft_vocab_columns())
         loss_mask = batch["loss_mask"].to(self.device).bool() & attention_mask
-        inputs = dict(input_ids=input_ids, aux_hidden_states=aux, loss_mask=loss_mask,
-                      target_p=target_p, target_ids=target_ids, in_vocab=in_vocab)
-        return inputs, real_tokens
+        return dict(input_ids=input_ids, aux_hidden_states=aux, loss_mask=loss_mask,
+                    target_p=target_p, target_ids=target_ids, in_vocab=in_vocab)
 
     def _loader(self, index_lists: Iterator[list[int]] | list[list[int]], dataset) -> Iterator[dict[str, Tensor]]:
         """Collated micro-batches of `index_lists`, read ahead by cfg.num_workers processes.
 
         Workers read and collate (a 64 MiB micro-batch of an 8B target at T=2048: ~40 ms on one
         thread) while the GPU trains on the current one; each keeps cfg.prefetch_factor batches
-        ready. On CUDA a pin-memory thread copies them into page-locked buffers so `_prepare`'s
+        ready. On CUDA a pin-memory thread copies them into page-locked buffers so `_to_device`'s
         non_blocking copies are real async DMA. One loader serves a whole `train()` call (all
         epochs, see DataPlan.rank_steps), so workers start once, not per epoch.
         """
@@ -264,18 +268,33 @@ class Trainer:
         """grad_accum micro-batches, clip, AdamW, scheduler; returns (stats [4,K], grad norm, tokens).
 
         Nothing here waits for the device: stats and the grad norm stay device tensors until a
-        log step reads them, so the host queues the next step while this one runs.
+        log step reads them, so the host queues the next step while this one runs. Where CUDA graphs
+        apply (`_step_graphs`) the step is replayed from its shape's graph.
+        """
+        self.model.train()
+        host_batches = [next(batches) for _ in range(self.cfg.grad_accum)]
+        tokens = sum(self._real_tokens(batch) for batch in host_batches)
+        device_batches = [self._to_device(batch) for batch in host_batches]
+        if self.step_graphs is not None:
+            stats, grad_norm = self.step_graphs(self._graph_inputs(device_batches))
+        else:
+            stats, grad_norm = self._compute_step(device_batches)
+        self.scheduler.step()
+        return stats, grad_norm, tokens
+
+    def _compute_step(self, device_batches: list[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Teacher, forward and backward of every micro-batch, clip, AdamW; returns (stats, grad norm) and
+        leaves the gradients None.
 
         All micro-batches of the step are prepared (teacher included) before the first
         backward: the loss divisor needs their counted positions. Memory: grad_accum teachers
         ([B, T, Vd] fp32 each) are held at once instead of one.
         """
-        self.model.train()
-        stats, tokens = torch.zeros(STAT_ROWS, self.cfg.ttt_steps, device=self.device), 0
-        prepared = [self._prepare(next(batches)) for _ in range(self.cfg.grad_accum)]
-        loss_norm = self._step_loss_norm([inputs for inputs, _ in prepared])
-        for i, (inputs, n_tok) in enumerate(prepared):
-            last = i == self.cfg.grad_accum - 1
+        stats = torch.zeros(STAT_ROWS, self.cfg.ttt_steps, device=self.device)
+        prepared = [self._prepare(batch) for batch in device_batches]
+        loss_norm = self._step_loss_norm(prepared)
+        for i, inputs in enumerate(prepared):
+            last = i == len(prepared) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 with self._autocast():
@@ -283,11 +302,32 @@ class Trainer:
                 loss.backward()
             prepared[i] = None  # free this micro-batch's teacher before the next forward
             stats += batch_stats
-            tokens += n_tok
         grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip)
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return stats, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm, tokens
+        return stats, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """Whole steps replayed as CUDA graphs (eagle3.training.step_graphs) where that is the same step: one
+        process on CUDA, compiled AdamW (its learning rate is a device tensor), stored hidden states (the
+        online extractor runs the target model, which is not captured)."""
+        if not (self.cfg.cuda_graphs and self.device.type == "cuda" and self.info.world_size == 1
+                and self.online_features is None and adamw.eligible(self.optimizer)):
+            return None
+        return StepGraphs(self._graph_step, before_replay=lambda: adamw.load_lr(self.optimizer))
+
+    def _graph_inputs(self, device_batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        """The step's micro-batches as one flat dict, each padded to the step's length bucket (one graph per
+        bucket; padded positions are outside every mask, see `pad_time`)."""
+        length = bucket_length(max(batch["input_ids"].shape[1] for batch in device_batches), self.cfg.cuda_graph_bucket)
+        return {f"{i}/{name}": tensor for i, batch in enumerate(device_batches)
+                for name, tensor in pad_time(batch, length).items()}
+
+    def _graph_step(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        batches: dict[int, dict[str, Tensor]] = {}
+        for key, tensor in inputs.items():
+            index, name = key.split("/", 1)
+            batches.setdefault(int(index), {})[name] = tensor
+        return self._compute_step([batches[i] for i in sorted(batches)])
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -303,7 +343,8 @@ class Trainer:
         stats = torch.zeros(STAT_ROWS, self.cfg.ttt_steps, device=self.device)
         seen = 0
         for batch in self._loader(batches, self.val_data):
-            inputs, _ = self._prepare(batch)
+            self._real_tokens(batch)  # the padding check
+            inputs = self._prepare(self._to_device(batch))
             real = torch.tensor([seen + j < len(mine) for j in range(inputs["input_ids"].shape[0])], device=self.device)
             inputs["loss_mask"] &= real[:, None]  # padding samples count for nothing
             seen += inputs["input_ids"].shape[0]

@@ -16,6 +16,8 @@ Variants (same initial weights, same batch, fresh AdamW each):
   fast_compiled_prev  fast_compiled as it was before the persistent weight copies and the one-kernel loss
                   over all TTT steps (every weight cast each unroll, a loss kernel per step)
   fast_compiled_nopersist / _steploss  fast_compiled without one of those two
+  fast_compiled_graphed  fast_compiled with the whole step (teacher, forward, backward, clip, AdamW)
+                  replayed as one CUDA graph after two eager steps (eagle3.training.step_graphs)
   fast_compiled_bN  fast_compiled at batch N (e.g. fast_compiled_b2); `--max-batch` also tries the
                   largest batch the measured memory slope predicts to fit, then smaller ones on OOM
 MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal attention;
@@ -67,6 +69,7 @@ from eagle3.training import adamw
 from eagle3.training.trainer import clip_and_step
 from eagle3.training import ttt as ttt_module
 from eagle3.training.ttt import Eagle3TTTModule
+from eagle3.training.step_graphs import StepGraphs
 
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -83,7 +86,8 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_ke
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
 EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused",  # only when named
-                  "fast_compiled_prev", "fast_compiled_nopersist", "fast_compiled_steploss")
+                  "fast_compiled_prev", "fast_compiled_nopersist", "fast_compiled_steploss",
+                  "fast_compiled_graphed")
 # mode -> (devices, strategy); node-* go through `python -m eagle3.torchrun`, the launcher train.nodes
 # starts on every node (one node here, static rendezvous on 127.0.0.1)
 LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp"), "node": (1, "ddp"),
@@ -244,6 +248,21 @@ def train_step(loss_fn, optimizer, params, device, autocast_dtype):
     return loss.detach(), grad_norm
 
 
+def graphed_train_step(optimizer):
+    """`train_step` replayed as a CUDA graph (eagle3.training.step_graphs) after two eager steps; the batch
+    is static (the loss function's closure), so the graph has no inputs."""
+    graphs = None
+
+    def step(loss_fn, optimizer_, params, device, autocast_dtype):
+        nonlocal graphs
+        if graphs is None:
+            graphs = StepGraphs(lambda _: train_step(loss_fn, optimizer_, params, device, autocast_dtype),
+                                before_replay=lambda: adamw.load_lr(optimizer))
+        return graphs({})
+
+    return step
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -255,13 +274,14 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     loss_fn = make_loss_fn(variant, draft, lm_head, data, args.ttt, args.chunk, device)
+    step = graphed_train_step(optimizer) if variant.endswith("_graphed") else train_step
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    first_loss, first_grad_norm = map(float, train_step(loss_fn, optimizer, params, device, autocast_dtype))
+    first_loss, first_grad_norm = map(float, step(loss_fn, optimizer, params, device, autocast_dtype))
     for _ in range(args.warmup - 1):
-        train_step(loss_fn, optimizer, params, device, autocast_dtype)
+        step(loss_fn, optimizer, params, device, autocast_dtype)
     _sync(device)
     warmup_s = time.perf_counter() - t0
     # Then steps until --warmup-s of them have run: an H200 takes seconds under load to reach its
@@ -269,32 +289,32 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     # lives in that steady state for hours.
     t1 = time.perf_counter()
     while time.perf_counter() - t1 < args.warmup_s:
-        train_step(loss_fn, optimizer, params, device, autocast_dtype)
+        step(loss_fn, optimizer, params, device, autocast_dtype)
         _sync(device)
     times = []
     for _ in range(args.iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            step(loss_fn, optimizer, params, device, autocast_dtype)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t1 = time.perf_counter()
-            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            step(loss_fn, optimizer, params, device, autocast_dtype)
             times.append((time.perf_counter() - t1) * 1e3)
-    back_to_back_ms = time_back_to_back(train_step, (loss_fn, optimizer, params, device, autocast_dtype), args.iters)
+    back_to_back_ms, host_launch_ms = time_back_to_back(step, (loss_fn, optimizer, params, device, autocast_dtype), args.iters)
     ms, batch = statistics.median(times), data["input_ids"].shape[0]
     result = {"variant": variant, "batch": batch, "ms_per_step": ms, "ms_min": min(times), "ms_max": max(times),
               "tokens_per_s": batch * args.seq / (ms * 1e-3), "first_loss": first_loss, "first_grad_norm": first_grad_norm, "warmup_s": warmup_s,
-              "times_ms": times, "ms_back_to_back": back_to_back_ms,
+              "times_ms": times, "ms_back_to_back": back_to_back_ms, "ms_host_launch": host_launch_ms,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
     result["persistent_weight_copies"] = len(fused_layer._persistent_copies)  # 0 where they do not apply
     if args.profile and variant in args.profile.split(",") and device.type == "cuda":
-        result["profile"] = profile_step(loss_fn, optimizer, params, device, autocast_dtype)
+        result["profile"] = profile_step(step, loss_fn, optimizer, params, device, autocast_dtype)
         if args.host_profile:
-            result["host_profile"] = host_profile_step(loss_fn, optimizer, params, device, autocast_dtype)
+            result["host_profile"] = host_profile_step(step, loss_fn, optimizer, params, device, autocast_dtype)
     reset_compiled(draft)
     del optimizer, loss_fn
     for p in params:
@@ -302,12 +322,13 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     return result
 
 
-def time_back_to_back(step, step_args, iters: int) -> float | None:
-    """ms per step over `iters` steps launched back to back (one sync at the end), as the training
-    loop runs them: the host may run ahead, so a step's launch latency hides behind the one before."""
+def time_back_to_back(step, step_args, iters: int) -> tuple[float | None, float | None]:
+    """(device ms, host ms) per step over `iters` steps launched back to back (one sync at the end), as the
+    training loop runs them: the host may run ahead, so a step's launch latency hides behind the one before;
+    equal figures = the host sets the pace."""
     device = step_args[3]
     if device.type != "cuda":
-        return None
+        return None, None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
@@ -316,9 +337,7 @@ def time_back_to_back(step, step_args, iters: int) -> float | None:
     host_ms = (time.perf_counter() - t0) * 1e3 / iters
     end.record()
     torch.cuda.synchronize()
-    print(f"back to back: {start.elapsed_time(end) / iters:.2f} ms per step on the device, the host took "
-          f"{host_ms:.2f} ms per step to launch them (equal = the host sets the pace)", flush=True)
-    return start.elapsed_time(end) / iters
+    return start.elapsed_time(end) / iters, host_ms
 
 
 def _kernel_category(name: str) -> str:
@@ -334,14 +353,14 @@ def _kernel_category(name: str) -> str:
     return "other_elementwise"
 
 
-def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> dict:
+def profile_step(step, loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> dict:
     """Device time per kernel category and the top kernels over `steps` training steps."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            step(loss_fn, optimizer, params, device, autocast_dtype)
         _sync(device)
     kernels = [(e.key, e.self_device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
                if e.self_device_time_total > 0]
@@ -355,7 +374,7 @@ def profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int 
             "idle": device_idle_gaps(prof, steps)}
 
 
-def host_profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> str:
+def host_profile_step(step, loss_fn, optimizer, params, device, autocast_dtype, steps: int = 2) -> str:
     """The host's side of `steps` steps: ops by their own CPU time (what the GPU waits on in the gaps)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -363,7 +382,7 @@ def host_profile_step(loss_fn, optimizer, params, device, autocast_dtype, steps:
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            train_step(loss_fn, optimizer, params, device, autocast_dtype)
+            step(loss_fn, optimizer, params, device, autocast_dtype)
         host_ms = (time.perf_counter() - t0) * 1e3 / steps
         _sync(device)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
@@ -772,13 +791,15 @@ def print_table(report: dict) -> None:
           f"{report['matmul_tflops']:.3g} TFLOP/s{rates}, useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, "
           f"seq {report['seq']}, TTT {report['ttt']}")
     print(f"{'variant':<18}{'batch':>6}{'ms/step':>10}{'tok/s':>10}{'MFU':>8}{'MFU@ref':>9}{'peak GiB':>10}"
-          f"{'loss@0':>10}{'|g|@0':>10}{'b2b ms':>8}   (ref {report['ref_tflops']:.0f} TFLOP/s; b2b: steps back to back)")
+          f"{'loss@0':>10}{'|g|@0':>10}{'b2b ms':>8}{'host ms':>9}   (ref {report['ref_tflops']:.0f} TFLOP/s; b2b: "
+          f"steps back to back; host: its time to launch one of them, = b2b where the host sets the pace)")
     for r in report["results"]:
         if "error" in r:
             print(f"{r['variant']:<18} {r['error']}")
             continue
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         b2b = f"{r['ms_back_to_back']:>8.1f}" if r.get("ms_back_to_back") else f"{'-':>8}"
+        b2b += f"{r['ms_host_launch']:>9.1f}" if r.get("ms_host_launch") else f"{'-':>9}"
         print(f"{r['variant']:<18}{r['batch']:>6}{r['ms_per_step']:>10.1f}{r['tokens_per_s']:>10.0f}"
               f"{100 * r['mfu']:>7.1f}%{100 * r['mfu_ref']:>8.1f}%{mem:>10}{r['first_loss']:>10.4f}"
               f"{r['first_grad_norm']:>10.4f}{b2b}")

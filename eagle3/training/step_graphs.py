@@ -1,0 +1,118 @@
+"""Whole optimizer steps (teacher, forward, backward, clip, AdamW) replayed as CUDA graphs, one graph
+per input shape.
+
+Why: an 8B-shaped draft's step keeps an H200 busy ~60 ms, and the host needs 56-62 ms to launch it
+(~1,250 kernels, compiled-region wrappers, guard checks, custom autograd functions): on a slower host
+the GPU waits between kernels. A replayed graph launches them all with no Python in between.
+
+How (torch.cuda.graphs' whole-network capture): the first `warmup` steps of a shape run eagerly on
+a side stream (compilation, cuDNN plans and AdamW's state happen there, and they are real steps of
+the run); the next one is captured on that stream with its inputs in static buffers and then
+replayed; later steps of that shape copy their batch into the buffers and replay. The step must
+leave gradients as None (as the eager step does), so backward allocates them inside the graph's
+memory, which all graphs of one `StepGraphs` share (they replay one at a time, in one stream).
+Capture does not run the step: `__call__` replays right after capturing.
+
+Risk: a graph replays exactly what the host launched during its capture. A value the host computes
+then (a Python float, a shape, a branch) is frozen: the learning rate is therefore a device tensor
+that `before_replay` refreshes (`eagle3.training.adamw.load_lr`), and the step counters are device
+tensors already. Nothing in the step may wait for the device (`.item()`, `nonzero`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+Inputs = dict[str, Tensor]
+StepFn = Callable[[Inputs], tuple[Tensor, ...]]
+
+
+def shape_key(inputs: Inputs) -> Hashable:
+    """What a captured graph is specific to: each input's name, shape and dtype."""
+    return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+
+
+class CapturedStep:
+    """One step captured for one input shape; `replay(inputs)` copies the inputs in and runs it."""
+
+    def __init__(self, step: StepFn, example: Inputs, stream: torch.cuda.Stream, pool) -> None:
+        self.inputs = {name: torch.empty_like(t) for name, t in example.items()}
+        self._copy_in(example)
+        stream.wait_stream(torch.cuda.current_stream())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.outputs = step(self.inputs)
+
+    def _copy_in(self, inputs: Inputs) -> None:
+        for name, static in self.inputs.items():
+            static.copy_(inputs[name], non_blocking=True)
+
+    def replay(self, inputs: Inputs) -> tuple[Tensor, ...]:
+        self._copy_in(inputs)
+        self.graph.replay()
+        return tuple(t.clone() for t in self.outputs)  # the next replay overwrites the static outputs
+
+
+class StepGraphs:
+    """`step(inputs)` for any input shape: eager for a shape's first `warmup` steps, a replayed graph after.
+
+    Args:
+        step: one whole optimizer step of `inputs` (device tensors); returns device tensors, and leaves
+            every gradient None.
+        before_replay: refreshes what the graph reads but the host decides per step (the learning rate).
+        warmup: eager steps of a shape before it is captured (the first compiles).
+    """
+
+    def __init__(self, step: StepFn, before_replay: Callable[[], None] = lambda: None, warmup: int = 2) -> None:
+        self.step, self.before_replay, self.warmup = step, before_replay, warmup
+        self.stream = torch.cuda.Stream()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, CapturedStep] = {}
+        self.eager_steps: Counter = Counter()
+        self.replays = 0
+
+    def __call__(self, inputs: Inputs) -> tuple[Tensor, ...]:
+        key = shape_key(inputs)
+        graph = self.graphs.get(key)
+        if graph is None and self.eager_steps[key] < self.warmup:
+            self.eager_steps[key] += 1
+            return self._eager(inputs)
+        if graph is None:
+            graph = self.graphs[key] = CapturedStep(self.step, inputs, self.stream, self.pool)
+            torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool now
+        self.before_replay()
+        self.replays += 1
+        return graph.replay(inputs)
+
+    def _eager(self, inputs: Inputs) -> tuple[Tensor, ...]:
+        """The step on the capture stream (per-stream lazy state, such as cuBLAS workspaces, is made there)."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            outputs = self.step(inputs)
+        main.wait_stream(self.stream)
+        for t in inputs.values():
+            t.record_stream(self.stream)  # read on the side stream, freed on the main one
+        for t in outputs:
+            t.record_stream(main)  # made on the side stream, read on the main one
+        return outputs
+
+
+def bucket_length(length: int, bucket: int) -> int:
+    """`length` rounded up to a multiple of `bucket` tokens (one graph per bucket, not per length)."""
+    return -(-length // bucket) * bucket
+
+
+def pad_time(batch: Inputs, length: int) -> Inputs:
+    """Right-pad every [B, T, ...] tensor of a collated batch to T = `length` with zeros, as collation pads:
+    padded positions are outside attention_mask and loss_mask, so the loss and the gradients of the real
+    positions do not change (causal attention: no real query reads a later position)."""
+    out = {}
+    for name, t in batch.items():
+        extra = length - t.shape[1]
+        out[name] = t if extra == 0 else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, extra))
+    return out

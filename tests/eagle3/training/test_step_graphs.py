@@ -1,0 +1,88 @@
+"""Whole steps as CUDA graphs (eagle3/training/step_graphs.py): padding to a length bucket changes no step
+(CPU), and replayed steps train as the eager ones do (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.training.schedule import default_collate_fn
+from eagle3.training.step_graphs import bucket_length
+from eagle3.training.trainer import Trainer
+from tests.eagle3.training.test_train import make_draft, make_items, make_world, train_config
+
+
+def _trainer(tmp_path, device_items, **cfg) -> Trainer:
+    embed, lm_head, mapping = make_world()
+    return Trainer(make_draft(embed, mapping), lm_head, train_config(**cfg), device_items, device_items[:4], tmp_path,
+                   log=lambda s: None)
+
+
+def test_bucket_length_rounds_up_to_whole_buckets():
+    assert [bucket_length(n, 16) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 48]
+
+
+def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp_path):
+    """The graph path's inputs (`_graph_inputs`: micro-batches of different lengths padded to one bucket and
+    flattened, `_graph_step` unflattening them) give the step the eager path gives: same stats, grad norm and
+    updated weights. On the CPU, where no graph is captured, the step function is the one a graph records."""
+    embed, _, _ = make_world()
+    items = make_items(8, 3, embed, t_max=24)
+    micro_batches = [default_collate_fn(items[:2]), default_collate_fn(items[2:4])]
+    lengths = [b["input_ids"].shape[1] for b in micro_batches]
+    assert lengths[0] != lengths[1] and bucket_length(max(lengths), 16) > max(lengths)  # both get padded
+
+    eager = _trainer(tmp_path / "eager", items, batch_size=2, grad_accum=2, cuda_graph_bucket=16)
+    padded = _trainer(tmp_path / "padded", items, batch_size=2, grad_accum=2, cuda_graph_bucket=16)
+    inputs = padded._graph_inputs(micro_batches)
+    assert {t.shape[1] for t in inputs.values()} == {32}
+    stats_e, norm_e = eager._compute_step(micro_batches)
+    stats_p, norm_p = padded._graph_step(inputs)
+
+    assert stats_e[1].sum() > 0  # something was counted
+    torch.testing.assert_close(stats_p, stats_e, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm_p, norm_e, rtol=1e-5, atol=1e-7)
+    for (name, a), b in zip(eager.draft.named_parameters(), padded.draft.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    assert all(p.grad is None for p in padded.params)  # as a captured step must leave them
+
+
+def _cuda_history(tmp_path, items, **cfg) -> tuple[list[dict], Trainer]:
+    trainer = _trainer(tmp_path, items, **cfg)
+    trainer.train()
+    return trainer.history, trainer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("lengths", ["fixed", "varied"])
+def test_replayed_steps_train_as_the_eager_steps(tmp_path, lengths):
+    """The trainer with cuda_graphs (two eager steps per bucket, then capture and replays) against the same
+    trainer without, same seed and data, a learning rate that changes every step (warm-up then cosine: a
+    frozen lr would show) and validation between steps. Fixed lengths: no padding, the same kernels, so the
+    same bits. Varied lengths: padded to 16-token buckets, equal within float error."""
+    embed, _, _ = make_world()
+    items = make_items(24, 1, embed, t_max=32) if lengths == "varied" else [
+        {k: v[:32] for k, v in item.items()} for item in make_items(24, 1, embed, t_max=64)]
+    cfg = dict(batch_size=2, grad_accum=2, max_steps=12, warmup_ratio=0.2, eval_every=6, checkpoint_every=6,
+               compile=True, cuda_graph_bucket=16)
+    graphed, trainer = _cuda_history(tmp_path / "graphed", items, cuda_graphs=True, **cfg)
+    eager, reference = _cuda_history(tmp_path / "eager", items, cuda_graphs=False, **cfg)
+
+    assert reference.step_graphs is None and trainer.step_graphs.graphs and trainer.step_graphs.replays >= 6
+    assert [h["step"] for h in graphed] == [h["step"] for h in eager]
+    lrs = [h["train/lr"] for h in graphed if "train/lr" in h]
+    assert len(set(lrs)) == len(lrs)
+    for g, e in zip(graphed, eager):
+        for key in e:
+            if key.endswith(("tokens_per_s", "peak_memory_gib")):
+                continue
+            if lengths == "fixed":
+                assert g[key] == e[key], (g["step"], key)
+            else:
+                assert g[key] == pytest.approx(e[key], rel=1e-3, abs=1e-5), (g["step"], key)
+    for (name, a), b in zip(reference.draft.named_parameters(), trainer.draft.parameters()):
+        if lengths == "fixed":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
