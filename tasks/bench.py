@@ -117,10 +117,15 @@ def request_inputs(cfg: ExperimentConfig, conversations: list[list[dict]], token
 
 
 def measure(cfg: ExperimentConfig, handle: ServerHandle, endpoint: str, prompts: list, concurrency: int) -> BenchResult:
+    """One setting at one concurrency; a line when it starts and one per round at most every 5 s while it runs."""
+    where = f"{handle.label} (concurrency {concurrency})"
+    logger().info(f"{where}: {cfg.bench.warmup_runs} warm-up + {cfg.bench.timed_runs} timed runs of {len(prompts)} "
+                  f"prompts x {cfg.bench.max_new_tokens} tokens")
     with SGLangClient(handle.local_url, timeout=max(600.0, cfg.deploy.startup_timeout_s)) as client:
         return run_rounds(client, prompts, warmup_runs=cfg.bench.warmup_runs, timed_runs=cfg.bench.timed_runs,
                           concurrency=concurrency, max_new_tokens=cfg.bench.max_new_tokens,
-                          temperature=cfg.bench.temperature, endpoint=endpoint, ignore_eos=True)
+                          temperature=cfg.bench.temperature, endpoint=endpoint, ignore_eos=True,
+                          log=lambda line: logger().info(f"{where}: {line}"))
 
 
 def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_log: dict, concurrency: int) -> dict:
@@ -265,6 +270,8 @@ def offline_figures(ctx: StageContext, rows: list[dict], prompt_ids, target_dir:
 def _reference_figure(target_dir: Path, draft_dir: Path, prompt_ids, effective: dict, max_new_tokens: int) -> dict:
     """The reference decoder's accept length, or why it has none: a draft this code cannot wire (an architecture
     without a known capture rule) must not fail the stage after every measurement is taken."""
+    logger().info(f"reference decoder: {setting_label(effective)} on {len(prompt_ids)} prompts x {max_new_tokens} "
+                  "tokens, in this process")
     try:
         return {"reference_decoder_accept_length":
                 reference_accept_length(target_dir, draft_dir, prompt_ids, effective, max_new_tokens)}

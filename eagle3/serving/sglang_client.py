@@ -5,7 +5,8 @@ Owns: the HTTP side of a benchmark. `SGLangClient` streams `/generate`, `/v1/com
 `/metrics` and `/health`. `run_benchmark` runs warm-up and timed rounds of a prompt set at a
 bounded concurrency and collects client figures (tok/s, TTFT, ITL, accept length) next to the
 server's own (`avg_spec_accept_length`, `last_gen_throughput`, `/metrics` deltas);
-`compare_client_server` says where they disagree. Also: the periodic decode log line parser
+`compare_client_server` says where they disagree; progress goes to an optional `log` callback,
+a line per finished round at most every few seconds. Also: the periodic decode log line parser
 (reference regex, sglang-eagle3.md §5) and the benchmark prompt sets (builtin, JSONL, chat
 rendering, held-out check against the training samples).
 
@@ -45,6 +46,7 @@ import httpx
 Endpoint = Literal["generate", "completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("generate", "completions", "chat")
 Message = dict[str, str]
+LogFn = Callable[[str], None]
 # A benchmark prompt: token ids or raw text (/generate, /v1/completions) or chat messages (/v1/chat/completions).
 PromptInput = list[int] | str | list[Message]
 SSE_DATA = "data:"
@@ -620,6 +622,30 @@ def _one_run(index: int, warmup: bool, prompts: Sequence[PromptInput], send: Cal
     return RunStats(index=index, warmup=warmup, wall_s=wall, requests=results)
 
 
+class _RoundProgress:
+    """A line per finished round to `log` (its tok/s, its wall time and the time left at the mean pace of the
+    rounds so far), at most one line every `every_s` seconds so that many fast rounds do not flood the log."""
+
+    def __init__(self, log: LogFn | None, warmup_runs: int, timed_runs: int, every_s: float) -> None:
+        self.log, self.every_s = log, every_s
+        self.totals = {True: warmup_runs, False: timed_runs}
+        self.walls: list[float] = []
+        self.last_line = time.monotonic()
+
+    def __call__(self, run: RunStats) -> RunStats:
+        self.walls.append(run.wall_s)
+        now = time.monotonic()
+        if self.log is None or now - self.last_line < self.every_s:
+            return run
+        self.last_line = now
+        left = (sum(self.totals.values()) - len(self.walls)) * statistics.mean(self.walls)
+        kind = "warm-up" if run.warmup else "timed run"
+        eta = f", ~{left:.0f} s left" if left > 0 else ""
+        self.log(f"{kind} {run.index + 1}/{self.totals[run.warmup]}: {run.output_tok_per_s:.1f} tok/s "
+                 f"({run.num_requests} requests in {run.wall_s:.1f} s{eta})")
+        return run
+
+
 def _flush_when_idle(client: SGLangClient, attempts: int = 50, pause_s: float = 0.2) -> bool:
     """/flush_cache, retried while the server finishes what it still runs (bounded)."""
     for _ in range(attempts):
@@ -650,22 +676,27 @@ def run_benchmark(
     endpoint: Endpoint = "generate",
     ignore_eos: bool = False,
     flush_cache: bool = True,
+    log: LogFn | None = None,
+    log_every_s: float = 5.0,
 ) -> BenchResult:
     """`warmup_runs` then `timed_runs` rounds of all prompts, at most `concurrency` requests in flight.
 
     Between warm-up and timed rounds, with the server idle: /flush_cache (so the server's
     avg_spec_accept_length covers only the timed requests; it also clears the prefix cache)
     and a /metrics snapshot; after the timed rounds: /server_info and /metrics again. Any
-    failed request raises SGLangError naming the run and prompt.
+    failed request raises SGLangError naming the run and prompt. `log` gets a progress line after
+    each round (`timed run 3/5: 41.2 tok/s (4 requests in 12.4 s, ~25 s left)`), at most one
+    every `log_every_s` seconds.
     """
     _check_prompts(prompts, endpoint)
     _check_counts(warmup_runs=(warmup_runs, 0), timed_runs=(timed_runs, 1), concurrency=(concurrency, 1),
                   max_new_tokens=(max_new_tokens, 1))
     send = _request_fn(client, endpoint, max_new_tokens, temperature, ignore_eos)
-    warmup = [_one_run(i, True, prompts, send, concurrency) for i in range(warmup_runs)]
+    progress = _RoundProgress(log, warmup_runs, timed_runs, log_every_s)
+    warmup = [progress(_one_run(i, True, prompts, send, concurrency)) for i in range(warmup_runs)]
     flushed = _flush_when_idle(client) if flush_cache else False
     before = client.metrics()
-    runs = [_one_run(i, False, prompts, send, concurrency) for i in range(timed_runs)]
+    runs = [progress(_one_run(i, False, prompts, send, concurrency)) for i in range(timed_runs)]
     info = client.server_info()
     after = client.metrics()
     state = (info.get("internal_states") or [{}])[0]

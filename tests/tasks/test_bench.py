@@ -1,15 +1,23 @@
 """tasks.bench pieces that need no server: an offline figure that cannot be computed is left out with its
-reason, after every measurement is taken, instead of failing the stage."""
+reason, after every measurement is taken, instead of failing the stage; the benchmark's progress lines name the
+setting they measure."""
 
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel
 from eagle3.export import export_sglang
+from tasks import bench
 from tasks.bench import _reference_figure, accepted_by_position
+from tasks.config import load_experiment
+
+REPO = Path(__file__).resolve().parents[2]
 
 TARGET = {"architectures": ["FooForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 48,
           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 7, "vocab_size": 300,
@@ -45,3 +53,22 @@ def test_acceptance_by_position_sums_the_requests_histograms_bin_by_bin():
             for pair in (histograms[:2], histograms[2:])]
     # 40 verifies: position 1 accepted in all but the 4 with none, position 2 in the 27 with both
     assert accepted_by_position(SimpleNamespace(runs=runs)) == [36 / 40, 27 / 40]
+
+
+def test_measure_logs_the_rounds_progress_under_the_settings_label(monkeypatch, caplog):
+    """The client's progress lines reach the stage's logger, each prefixed with the setting and concurrency
+    (the client against a real server: tests/eagle3/serving/test_sglang_client.py)."""
+    cfg = load_experiment(REPO / "configs" / "tiny.yaml")
+
+    def fake_rounds(client, prompts, **kwargs):
+        for i in range(kwargs["timed_runs"]):
+            kwargs["log"](f"timed run {i + 1}/{kwargs['timed_runs']}: 10.0 tok/s")
+        return "result"
+
+    monkeypatch.setattr(bench, "run_rounds", fake_rounds)
+    handle = SimpleNamespace(label="speculative 4/1/5", local_url="http://127.0.0.1:9")
+    with caplog.at_level(logging.INFO, logger="eagleops"):
+        assert bench.measure(cfg, handle, "generate", [[1, 2], [3]], 1) == "result"
+    assert [r.getMessage() for r in caplog.records] == [
+        "speculative 4/1/5 (concurrency 1): 2 warm-up + 5 timed runs of 2 prompts x 128 tokens",
+        *[f"speculative 4/1/5 (concurrency 1): timed run {i}/5: 10.0 tok/s" for i in range(1, 6)]]

@@ -349,6 +349,23 @@ def test_run_benchmark_openai_endpoints(client, ref_server, endpoint):
     assert result.server.metrics_accept_length == pytest.approx(result.accept_length, rel=1e-9)
 
 
+def test_run_benchmark_logs_a_line_per_round_with_its_tok_s(client):
+    lines: list[str] = []
+    result = run_benchmark(client, [[20, 21, 22], [23, 24]], warmup_runs=2, timed_runs=3, max_new_tokens=4,
+                           ignore_eos=True, log=lines.append, log_every_s=0)
+    rounds = result.warmup + result.runs
+    assert [line.split(":")[0] for line in lines] == ["warm-up 1/2", "warm-up 2/2", "timed run 1/3", "timed run 2/3",
+                                                      "timed run 3/3"]
+    for line, run in zip(lines, rounds):
+        assert f": {run.output_tok_per_s:.1f} tok/s (2 requests in {run.wall_s:.1f} s" in line
+    assert all("s left)" in line for line in lines[:-1]) and lines[-1].endswith(" s)")
+    # at most one line every log_every_s: rounds this short give none in an hour
+    quiet: list[str] = []
+    run_benchmark(client, [[20, 21, 22]], warmup_runs=1, timed_runs=2, max_new_tokens=4, ignore_eos=True,
+                  log=quiet.append, log_every_s=3600)
+    assert quiet == []
+
+
 def test_run_benchmark_rejects_bad_arguments(client):
     with pytest.raises(ValueError, match="endpoint 'chat' needs a list of messages"):
         run_benchmark(client, [[1, 2, 3]], endpoint="chat", timed_runs=1)
