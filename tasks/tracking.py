@@ -148,11 +148,20 @@ def runs_view_state() -> dict[str, Any]:
     columns = [f"metrics.`{m}`" for m in HEADLINE_METRICS] + ["tags.`eagleops.best_setting`"]
     charts = [{"uuid": f"eagleops-{m}", "type": "BAR", "runsCountToCompare": 10, "metricSectionId": "eagleops-headline",
                "deleted": False, "isGenerated": False, "metricKey": m, "displayName": m} for m in HEADLINE_METRICS]
-    return {"selectedColumns": columns, "columnOrder": columns, "orderByKey": "attributes.start_time", "orderByAsc": False,
+    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": {c: header_width(c) for c in columns},
+            "orderByKey": "attributes.start_time", "orderByAsc": False,
             "compareRunCharts": charts,
             "compareRunSections": [{"uuid": "eagleops-headline", "name": "eagleops headline", "display": True,
                                     "isReordered": False}],
             "isAccordionReordered": False, "hideEmptyCharts": True}
+
+
+def header_width(column: str) -> int:
+    """Pixels for a runs-table column whose header shows its whole name (`metrics.`run_benchmark.speedup``
+    shows `run_benchmark.speedup`): MLflow's default metric width (100 px) cuts every headline name to
+    "run_benchmark...". ~7 px a character in the UI's 13 px font, plus the sort and menu icons."""
+    name = column.split("`")[1] if "`" in column else column
+    return max(100, round(7 * len(name)) + 28)
 
 
 def experiment_view_tags() -> dict[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.tracking import HEADLINE_METRICS, create_run, run_links
-from tests.browser.test_ui import browser, header_texts, screenshots, wait_for, wait_for_text  # noqa: F401  (fixtures)
+from tests.browser.test_ui import browser, cut_headers, header_texts, screenshots, wait_for, wait_for_text  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,12 @@ def test_the_printed_experiment_link_opens_the_runs_table_with_the_headline_colu
     links = run_links(mlflow_server.uri, parent_run.run_id)
     browser.get(links["experiment"])
     wait_for_text(browser, "browser-views-20261201")
-    # tok/s, speedup and both accept lengths in view at 1400 px, right after the run's name and start
+    # tok/s, speedup and both accept lengths in view at 1920 px, right after the run's name and start
     wait_for(browser, lambda d: set(HEADLINE_METRICS[:4]) <= set(header_texts(d)), "the headline metric columns")
     browser.save_screenshot(str(screenshots / "mlflow-experiment-link.png"))
     assert "/runs" in browser.current_url and "overview" not in browser.current_url
     headers = header_texts(browser)
+    assert not cut_headers(browser, HEADLINE_METRICS[:4])  # their names read whole (MLflow's 100 px cut them)
     assert {"Run Name", "Created", *HEADLINE_METRICS[:4]} <= set(headers), headers  # (DOM order is not screen order)
     assert "metrics.`check_environment.env_warnings`" not in header_ids(browser)  # the headline, not every metric
     body = browser.find_element("tag name", "body").text

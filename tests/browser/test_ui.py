@@ -22,7 +22,7 @@ CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver"
 # networking (the closed network otherwise refuses a burst of connections at every start).
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-                  "--disable-dev-shm-usage", "--window-size=1400,1000"]
+                  "--disable-dev-shm-usage", "--window-size=1920,1080"]
 # A demo-sized run through every stage, the draft registered (the demo's export section does the same).
 CONFIG = """\
 experiment: browser
@@ -81,9 +81,13 @@ def screenshots(tmp_path):
 
 
 def wait_for(driver, condition, what: str):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(condition, message=f"waiting for {what}")
+    # A condition that met an element the page re-rendered meanwhile is asked again, not failed (a full run at
+    # 1920 px once hit StaleElementReferenceException right after the 07 screenshot, Prefect's artifact page).
+    return WebDriverWait(driver, WAIT_S, poll_frequency=0.5, ignored_exceptions=[StaleElementReferenceException]
+                         ).until(condition, message=f"waiting for {what}")
 
 
 def wait_for_text(driver, text: str) -> None:
@@ -108,12 +112,37 @@ def body_text(driver) -> str:
     return driver.find_element("tag name", "body").text
 
 
-def follow_new_tab(driver, anchor) -> None:
-    """Click a link that opens in a new tab (MLflow's description links do) and continue in that tab."""
+def follow_new_tab(driver, css: str) -> None:
+    """Click the link `css` finds, one that opens in a new tab (MLflow's description links do), as a user would
+    (`clicked_as_a_user`), and continue in that tab."""
     before = set(driver.window_handles)
-    anchor.click()
+    wait_for(driver, lambda d: clicked_as_a_user(d, css), f"a click on {css} to reach it")
     new = wait_for(driver, lambda d: set(d.window_handles) - before, "the tab the link opens")
     driver.switch_to.window(new.pop())
+
+
+# The "Show more" under the MLflow description holding the element (a sibling of the collapsed box around it).
+EXPAND_DESCRIPTION = ("./ancestor::*[*[@data-testid='show-comment-toggle']][1]"
+                      "/*[@data-testid='show-comment-toggle'][@aria-label='Expand description']")
+
+
+def clicked_as_a_user(driver, css: str) -> bool:
+    """Click what `css` finds; False (call again) while it is not there or something covers it. MLflow shows a long
+    run description collapsed, its last lines under a gradient (data-testid truncation-gradient) that takes a click
+    there (the Prefect link at 1920 px, in some runs): as a user would, the description's "Show more" is clicked
+    first. The click stays WebDriver's, refused where a user's would land on something else."""
+    from selenium.common.exceptions import ElementClickInterceptedException
+
+    found = driver.find_elements("css selector", css)
+    if not found:
+        return False
+    try:
+        for toggle in found[0].find_elements("xpath", EXPAND_DESCRIPTION):
+            toggle.click()
+        found[0].click()
+    except ElementClickInterceptedException:
+        return False
+    return True
 
 
 def worker_errors(log: Path) -> str:
@@ -229,6 +258,7 @@ def assert_runs_table_shows_the_headline(driver, screenshots: Path, links: dict[
     wait_for_text(driver, ours.info.run_name)
     wait_for(driver, lambda d: set(HEADLINE_METRICS[:4]) <= set(header_texts(d)), "the headline metric columns")
     driver.save_screenshot(str(screenshots / "04-mlflow-experiment-after-the-run.png"))
+    assert not cut_headers(driver, HEADLINE_METRICS[:4])  # read whole, not "run_benchmark..." four times
     assert "Model training" in body_text(driver) and "Evaluation runs" not in body_text(driver)
     name = f"//div[@role='row'][.//a[normalize-space()='{ours.info.run_name}']]"
     row = wait_for(driver, lambda d: d.find_elements("xpath", name), "our run's row")[0].get_attribute("row-index")
@@ -244,8 +274,8 @@ def follow_the_links_both_ways(driver, screenshots: Path, prefect_ui: str, links
     driver.get(links["run"])
     wait_for_text(driver, ours.info.run_name)
     assert ours.data.tags["prefect.flow_run_url"] == f"{prefect_ui}/v2/runs/flow-run/{run_id}"
-    to_prefect = wait_for(driver, lambda d: d.find_elements("css selector", f"a[href$='/runs/flow-run/{run_id}']"),
-                          "the Prefect link in the run's description")[0]
+    to_prefect = f"a[href$='/runs/flow-run/{run_id}']"
+    wait_for(driver, lambda d: d.find_elements("css selector", to_prefect), "the Prefect link in the run's description")
     driver.save_screenshot(str(screenshots / "05-mlflow-run-with-prefect-link.png"))
     follow_new_tab(driver, to_prefect)
     wait_for_text(driver, "browser 2/1/3")
@@ -253,13 +283,24 @@ def follow_the_links_both_ways(driver, screenshots: Path, prefect_ui: str, links
     driver.save_screenshot(str(screenshots / "06-prefect-flow-run.png"))
     click_text(driver, "button", "Artifacts")
     click_text(driver, "*", "browser-mlflow-run")
-    back = wait_for(driver, lambda d: d.find_elements("css selector", f"a[href='{links['run']}']"),
-                    "the artifact's link to the MLflow run")[0]
+    back = f"a[href='{links['run']}']"
+    wait_for(driver, lambda d: d.find_elements("css selector", back), "the artifact's link to the MLflow run")
     driver.save_screenshot(str(screenshots / "07-prefect-link-artifact.png"))
-    back.click()
+    wait_for(driver, lambda d: clicked_as_a_user(d, back), "a click on the artifact's link to reach it")
     wait_for(driver, lambda d: ours.info.run_id in d.current_url, "the MLflow run page")
     wait_for_text(driver, ours.info.run_name)
     driver.save_screenshot(str(screenshots / "08-mlflow-run-from-prefect.png"))
+
+
+def cut_headers(driver, names) -> list[str]:
+    """Those of `names` whose runs-table header text is cut (shown with an ellipsis: wider than its cell)."""
+    # MLflow's header cell: <div role=columnheader><div (ellipsis)><span data-testid="sort-header-NAME">NAME</span>
+    script = """return Array.from(document.querySelectorAll('[role=columnheader] [data-testid^="sort-header-"]'))
+        .filter(e => arguments[0].includes(e.textContent.trim()))
+        .filter(e => e.parentElement.scrollWidth > e.parentElement.clientWidth
+                     || e.getBoundingClientRect().width > e.parentElement.getBoundingClientRect().width + 0.5)
+        .map(e => e.textContent.trim());"""
+    return driver.execute_script(script, list(names))
 
 
 def header_texts(driver) -> list[str]:
