@@ -44,7 +44,9 @@ class CapturedStep:
         self._copy_in(example)
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+        # thread_local: the DataLoader's pin-memory thread keeps calling the CUDA runtime (pinned allocations,
+        # event queries) while this thread captures; in the default global mode any such call fails the capture
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.outputs = step(self.inputs)
 
     def _copy_in(self, inputs: Inputs) -> None:
@@ -67,26 +69,42 @@ class StepGraphs:
         warmup: eager steps of a shape before it is captured (the first compiles).
     """
 
-    def __init__(self, step: StepFn, before_replay: Callable[[], None] = lambda: None, warmup: int = 2) -> None:
-        self.step, self.before_replay, self.warmup = step, before_replay, warmup
+    def __init__(self, step: StepFn, before_replay: Callable[[], None] = lambda: None, warmup: int = 2,
+                 log: Callable[[str], None] = print) -> None:
+        self.step, self.before_replay, self.warmup, self.log = step, before_replay, warmup, log
         self.stream = torch.cuda.Stream()
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, CapturedStep] = {}
         self.eager_steps: Counter = Counter()
+        self.uncapturable: set[Hashable] = set()  # shapes whose capture failed: they stay eager
         self.replays = 0
 
     def __call__(self, inputs: Inputs) -> tuple[Tensor, ...]:
         key = shape_key(inputs)
         graph = self.graphs.get(key)
-        if graph is None and self.eager_steps[key] < self.warmup:
+        if graph is None and (self.eager_steps[key] < self.warmup or key in self.uncapturable):
             self.eager_steps[key] += 1
             return self._eager(inputs)
         if graph is None:
-            graph = self.graphs[key] = CapturedStep(self.step, inputs, self.stream, self.pool)
-            torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool now
+            graph = self._capture(key, inputs)
+            if graph is None:
+                return self._eager(inputs)
         self.before_replay()
         self.replays += 1
         return graph.replay(inputs)
+
+    def _capture(self, key: Hashable, inputs: Inputs) -> CapturedStep | None:
+        """The graph of `key`'s shape, or None where the step cannot be captured (it then runs eagerly: slower,
+        the same math; capturing records the step without running it, so nothing was applied twice)."""
+        try:
+            graph = self.graphs[key] = CapturedStep(self.step, inputs, self.stream, self.pool)
+        except RuntimeError as err:
+            self.uncapturable.add(key)
+            self.log(f"CUDA graph capture failed for inputs {dict((n, list(s)) for n, s, _ in key)}: "
+                     f"{str(err).splitlines()[0]}; steps of this shape run eagerly")
+            return None
+        torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool now
+        return graph
 
     def _eager(self, inputs: Inputs) -> tuple[Tensor, ...]:
         """The step on the capture stream (per-stream lazy state, such as cuBLAS workspaces, is made there)."""

@@ -86,3 +86,25 @@ def test_replayed_steps_train_as_the_eager_steps(tmp_path, lengths):
             assert torch.equal(a, b), name
         else:
             torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_so():
+    """A step that waits for the device (`.item()`) cannot be recorded: that shape stays eager, with a log line,
+    and every call still returns the step's own result."""
+    from eagle3.training.step_graphs import StepGraphs
+
+    calls, lines = [], []
+
+    def step(inputs):
+        calls.append(1)
+        total = inputs["x"].sum()
+        return (total * float(total.item() > 0),)  # the .item() is what a capture refuses
+
+    graphs = StepGraphs(step, log=lines.append, warmup=1)
+    x = torch.arange(4.0, device="cuda")
+    results = [graphs({"x": x + i})[0].item() for i in range(4)]
+    assert results == [6.0, 10.0, 14.0, 18.0]
+    assert not graphs.graphs and len(graphs.uncapturable) == 1 and graphs.replays == 0
+    assert len(lines) == 1 and "CUDA graph capture failed" in lines[0] and "run eagerly" in lines[0]
