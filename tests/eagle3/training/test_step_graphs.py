@@ -59,8 +59,9 @@ def _cuda_history(tmp_path, items, **cfg) -> tuple[list[dict], Trainer]:
 def test_replayed_steps_train_as_the_eager_steps(tmp_path, lengths):
     """The trainer with cuda_graphs (two eager steps per bucket, then capture and replays) against the same
     trainer without, same seed and data, a learning rate that changes every step (warm-up then cosine: a
-    frozen lr would show) and validation between steps. Fixed lengths: no padding, the same kernels, so the
-    same bits. Varied lengths: padded to 16-token buckets, equal within float error."""
+    frozen lr would show) and validation between steps. Fixed lengths: no padding, the same kernels, equal but
+    for the run-to-run noise of cuDNN attention's backward (atomic adds). Varied lengths: padded to 16-token
+    buckets, other GEMM shapes, equal within bf16 rounding."""
     embed, _, _ = make_world()
     items = make_items(24, 1, embed, t_max=32) if lengths == "varied" else [
         {k: v[:32] for k, v in item.items()} for item in make_items(24, 1, embed, t_max=64)]
@@ -70,22 +71,17 @@ def test_replayed_steps_train_as_the_eager_steps(tmp_path, lengths):
     eager, reference = _cuda_history(tmp_path / "eager", items, cuda_graphs=False, **cfg)
 
     assert reference.step_graphs is None and trainer.step_graphs.graphs and trainer.step_graphs.replays >= 6
+    assert not trainer.step_graphs.uncapturable
     assert [h["step"] for h in graphed] == [h["step"] for h in eager]
     lrs = [h["train/lr"] for h in graphed if "train/lr" in h]
     assert len(set(lrs)) == len(lrs)
+    rel, weights = (2e-4, dict(rtol=1e-4, atol=1e-5)) if lengths == "fixed" else (5e-3, dict(rtol=1e-2, atol=1e-3))
     for g, e in zip(graphed, eager):
         for key in e:
-            if key.endswith(("tokens_per_s", "peak_memory_gib")):
-                continue
-            if lengths == "fixed":
-                assert g[key] == e[key], (g["step"], key)
-            else:
-                assert g[key] == pytest.approx(e[key], rel=1e-3, abs=1e-5), (g["step"], key)
+            if not key.endswith(("tokens_per_s", "peak_memory_gib")):
+                assert g[key] == pytest.approx(e[key], rel=rel, abs=1e-6), (g["step"], key)
     for (name, a), b in zip(reference.draft.named_parameters(), trainer.draft.parameters()):
-        if lengths == "fixed":
-            assert torch.equal(a, b), name
-        else:
-            torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+        torch.testing.assert_close(b, a, **weights, msg=name)
 
 
 @pytest.mark.gpu
@@ -95,10 +91,9 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_says_so():
     and every call still returns the step's own result."""
     from eagle3.training.step_graphs import StepGraphs
 
-    calls, lines = [], []
+    lines = []
 
     def step(inputs):
-        calls.append(1)
         total = inputs["x"].sum()
         return (total * float(total.item() > 0),)  # the .item() is what a capture refuses
 
