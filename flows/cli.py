@@ -216,8 +216,7 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 
 
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
-    from flows.experiment import eagle3_experiment
-    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
+    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
     from tasks.diskspace import disk_full_error
     from tasks.pipeline import DiskFull, Pipeline, SelectionError, StageFailed
     from tasks.secrets import redact
@@ -227,13 +226,17 @@ def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, var
     from tasks.tracking import NO_PREFECT_UI_ENV
 
     Pipeline.active = None
-    if not PREFECT_API_URL.value():  # prefect_api() starts a temporary server: its address is no link to keep
+    if not PREFECT_API_URL.value():  # temporary_server() starts one: its address is no link to keep
         os.environ[NO_PREFECT_UI_ENV] = "1"
     try:
-        with signals_as_exceptions(), redacted_stdio(), prefect_api():
-            result = eagle3_experiment(
-                str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant
-            )
+        with signals_as_exceptions(), temporary_server() as server:
+            # imported while the server boots (seconds each, now overlapping); prefect_api waits for it
+            from flows.experiment import eagle3_experiment
+
+            with redacted_stdio(), prefect_api(server):
+                result = eagle3_experiment(
+                    str(config), stages=selected, run_dir=str(run_dir) if run_dir else None, variant=variant
+                )
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (flows.runtime.Terminated)
         _exit_interrupted(config, variant, stop)
     except SelectionError as error:
@@ -488,16 +491,18 @@ def nightly(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Resume this nightly's run directory."),
 ) -> None:
     """Retrain, benchmark against the registry's champion on the same host and prompts, promote or keep."""
-    from flows.nightly import nightly_retrain
-    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions
+    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
     from tasks.pipeline import StageFailed
     from tasks.secrets import redact
     from tasks.tracking import tracking_uri_for
 
     try:
         cfg = load_experiment(config)
-        with signals_as_exceptions(), redacted_stdio(), prefect_api():
-            result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
+        with signals_as_exceptions(), temporary_server() as server:
+            from flows.nightly import nightly_retrain  # imported while the temporary server boots
+
+            with redacted_stdio(), prefect_api(server):
+                result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
     except ConfigError as error:
         _fail_config(error)
     except KeyboardInterrupt as stop:

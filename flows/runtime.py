@@ -7,6 +7,8 @@ SIGTERM'd run left that server orphaned under PID 1. Here the server runs in its
 (the terminal's signals never reach it), dies with its parent (PR_SET_PDEATHSIG, even on
 kill -9), and is stopped in a `finally`. SIGTERM is turned into an exception like Ctrl-C's, so
 both unwind through the pipeline, which records the interrupted stage before the process exits.
+The server is started before the flow's modules are imported (torch, MLflow: seconds) and waited
+for only when the flow is about to run: its ~14 s boot and those imports overlap.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
@@ -51,9 +55,8 @@ def _free_port() -> int:
 
 def _server_command(port: int) -> list[str]:
     """The API-only server Prefect itself starts for ephemeral runs (prefect.server.api.server)."""
-    import prefect
-
-    return [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent),
+    prefect_dir = Path(find_spec("prefect").origin).parent  # found, not imported: the caller may not have yet
+    return [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect_dir.parent),
             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "error", "--lifespan", "on"]
 
@@ -86,32 +89,57 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@dataclass(frozen=True)
+class TemporaryServer:
+    """A temporary Prefect API server that was started; whether it answers yet is not known."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+
 @contextlib.contextmanager
-def prefect_api() -> Iterator[str]:
-    """The Prefect API to run against: PREFECT_API_URL if set, else a temporary server for this run."""
+def temporary_server() -> Iterator[TemporaryServer | None]:
+    """Start the run's temporary Prefect server now, without waiting for it (None when PREFECT_API_URL is set:
+    no server to start). The caller imports its flow meanwhile, then enters `prefect_api(server)`. The server
+    is stopped and its log removed on leaving, however the block ends (an error or a signal during the imports
+    included)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        yield None
+        return
+    port = _free_port()
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    server_log = tempfile.NamedTemporaryFile(prefix="eagleops-prefect-", suffix=".log", delete=False)
+    proc = subprocess.Popen(_server_command(port), env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                            stdout=server_log, stderr=subprocess.STDOUT)
+    try:
+        yield TemporaryServer(proc, f"http://127.0.0.1:{port}/api", server_log.name)
+    finally:
+        _stop(proc)
+        server_log.close()
+        os.unlink(server_log.name)
+
+
+@contextlib.contextmanager
+def prefect_api(server: TemporaryServer | None) -> Iterator[str]:
+    """The Prefect API to run against: PREFECT_API_URL if set, else `server` (from `temporary_server`) once it
+    answers; Prefect's queued logs and events are sent before the block ends (the server stops after it)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     configured = PREFECT_API_URL.value()
     if configured:
         yield configured
         return
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    server_log = tempfile.NamedTemporaryFile(prefix="eagleops-prefect-", suffix=".log", delete=False)
-    proc = subprocess.Popen(_server_command(port), env=env, start_new_session=True, preexec_fn=_die_with_parent,
-                            stdout=server_log, stderr=subprocess.STDOUT)
-    try:
-        _wait_healthy(proc, url, STARTUP_TIMEOUT_S, server_log.name)
-        with temporary_settings(updates={PREFECT_API_URL: url}):
-            try:
-                yield url
-            finally:
-                _drain_prefect_workers()
-    finally:
-        _stop(proc)
-        server_log.close()
-        os.unlink(server_log.name)
+    if server is None:
+        raise RuntimeError("PREFECT_API_URL is not set and no temporary Prefect server was started")
+    _wait_healthy(server.proc, server.url, STARTUP_TIMEOUT_S, server.log_path)
+    with temporary_settings(updates={PREFECT_API_URL: server.url}):
+        try:
+            yield server.url
+        finally:
+            _drain_prefect_workers()
 
 
 def _drain_prefect_workers(timeout: float = 10.0) -> None:
