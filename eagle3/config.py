@@ -416,7 +416,7 @@ class TrainConfig(StrictModel):
     )
     compile: bool = Field(True, description="torch.compile the draft layer and loss chunks on CUDA (ignored on CPU).")
     cuda_graphs: bool = Field(
-        True,
+        False,
         description="Replay each optimizer step (teacher, forward, backward, clip, AdamW) as a CUDA graph, so the "
         "host's kernel launches leave the step: one GPU, compile on, stored hidden states (else ignored). A step's "
         "micro-batches are padded to a multiple of cuda_graph_bucket tokens; each bucket is captured after 2 eager "
