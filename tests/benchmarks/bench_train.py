@@ -481,7 +481,7 @@ def loop_config(mode: str, args) -> TrainConfig:
     return TrainConfig(ttt_steps=args.ttt, batch_size=args.batch, grad_accum=args.grad_accum, max_steps=args.steps,
                        epochs=10_000, lr=1e-5, warmup_ratio=0.0, log_every=args.log_every, eval_every=10**9,
                        checkpoint_every=10**9, eval_max_batches=1, devices=devices, strategy=strategy,
-                       compile=not args.tiny, loss_chunk_tokens=args.chunk)
+                       compile=not args.tiny, loss_chunk_tokens=args.chunk, cuda_graphs=args.cuda_graphs)
 
 
 def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
@@ -635,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=5, help="--loop: steps per timing window")
     parser.add_argument("--skip-windows", type=int, default=2, help="--loop: windows left out (compile warm-up)")
     parser.add_argument("--train-samples", type=int, default=32, help="--loop: synthetic training samples")
+    parser.add_argument("--cuda-graphs", action="store_true", help="--loop: train.cuda_graphs (whole steps replayed "
+                        "as CUDA graphs on one GPU)")
     parser.add_argument("--work-dir", default=None, help="--loop: where the synthetic data and runs go (default tmp)")
     args = parser.parse_args(argv)
     if args.loop:
