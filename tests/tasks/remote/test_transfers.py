@@ -247,6 +247,11 @@ def _cut_upload(ssh, monkeypatch, src, dest):
         ssh.upload_file(src, str(dest), reconnects=0)
     assert cutter.cuts == 1 and not dest.exists()
     part = dest.with_name(dest.name + ".part")
+    # the host's writer may still be draining what sshd had received when the client saw the cut (seen under
+    # load in CI: 0 bytes at first); it writes them and exits without a reader
+    deadline = time.monotonic() + 10
+    while part.stat().st_size == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert 0 < part.stat().st_size < SIZE
     return part
 
