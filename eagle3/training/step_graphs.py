@@ -16,7 +16,8 @@ Capture does not run the step: `__call__` replays right after capturing.
 Risk: a graph replays exactly what the host launched during its capture. A value the host computes
 then (a Python float, a shape, a branch) is frozen: the learning rate is therefore a device tensor
 that `before_replay` refreshes (`eagle3.training.adamw.load_lr`), and the step counters are device
-tensors already. Nothing in the step may wait for the device (`.item()`, `nonzero`).
+tensors already. Nothing in the step may wait for the device (`.item()`, `nonzero`): such a step fails
+its capture, and the run stops with an error naming train.cuda_graphs.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ StepFn = Callable[[Inputs], tuple[Tensor, ...]]
 def shape_key(inputs: Inputs) -> Hashable:
     """What a captured graph is specific to: each input's name, shape and dtype."""
     return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+
+
+def describe(key: Hashable) -> str:
+    """A shape key for a log line: its inputs' distinct shapes."""
+    shapes = sorted({tuple(shape) for _, shape, _ in key})
+    return f"{len(key)} inputs of shapes {', '.join(str(list(s)) for s in shapes)}"
 
 
 class CapturedStep:
@@ -76,34 +83,32 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, CapturedStep] = {}
         self.eager_steps: Counter = Counter()
-        self.uncapturable: set[Hashable] = set()  # shapes whose capture failed: they stay eager
         self.replays = 0
 
     def __call__(self, inputs: Inputs) -> tuple[Tensor, ...]:
         key = shape_key(inputs)
         graph = self.graphs.get(key)
-        if graph is None and (self.eager_steps[key] < self.warmup or key in self.uncapturable):
+        if graph is None and self.eager_steps[key] < self.warmup:
             self.eager_steps[key] += 1
             return self._eager(inputs)
         if graph is None:
             graph = self._capture(key, inputs)
-            if graph is None:
-                return self._eager(inputs)
         self.before_replay()
         self.replays += 1
         return graph.replay(inputs)
 
-    def _capture(self, key: Hashable, inputs: Inputs) -> CapturedStep | None:
-        """The graph of `key`'s shape, or None where the step cannot be captured (it then runs eagerly: slower,
-        the same math; capturing records the step without running it, so nothing was applied twice)."""
+    def _capture(self, key: Hashable, inputs: Inputs) -> CapturedStep:
+        """The graph of `key`'s shape. A failed capture is final: torch (2.11) leaves the caching allocator and
+        the RNG mid-capture when the capture is invalidated, and later CUDA work in the process goes wrong
+        (seen on the H200: wrong losses, "Offset increment outside graph capture"), so no eager fallback."""
         try:
             graph = self.graphs[key] = CapturedStep(self.step, inputs, self.stream, self.pool)
         except RuntimeError as err:
-            self.uncapturable.add(key)
-            self.log(f"CUDA graph capture failed for inputs {dict((n, list(s)) for n, s, _ in key)}: "
-                     f"{str(err).splitlines()[0]}; steps of this shape run eagerly")
-            return None
+            raise RuntimeError(f"CUDA graph capture failed for {describe(key)}: {str(err).splitlines()[0]}. "
+                               f"The step cannot be replayed as a graph: set train.cuda_graphs: false and "
+                               f"resume") from err
         torch.cuda.empty_cache()  # the eager steps' cached blocks: the graph has its own pool now
+        self.log(f"captured the step as a CUDA graph for {describe(key)}")
         return graph
 
     def _eager(self, inputs: Inputs) -> tuple[Tensor, ...]:

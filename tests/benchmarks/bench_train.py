@@ -504,6 +504,9 @@ def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             return {"mode": mode, "error": proc.stderr[-1500:]}
+        graph_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "CUDA graph" in line]
+        if graph_lines:
+            print(f"{mode}: " + f"\n{mode}: ".join(graph_lines))
     else:
         try:
             train_draft(data_dir, target_dir, cfg, out_dir, aux_layer_ids=shape["aux_layer_ids"],
