@@ -416,11 +416,12 @@ class TrainConfig(StrictModel):
     )
     compile: bool = Field(True, description="torch.compile the draft layer and loss chunks on CUDA (ignored on CPU).")
     cuda_graphs: bool = Field(
-        False,
+        True,
         description="Replay each optimizer step (teacher, forward, backward, clip, AdamW) as a CUDA graph, so the "
         "host's kernel launches leave the step: one GPU, compile on, stored hidden states (else ignored). A step's "
         "micro-batches are padded to a multiple of cuda_graph_bucket tokens; each bucket is captured after 2 eager "
-        "steps and keeps its own graph.",
+        "steps and keeps its own graph. A step that cannot be captured stops the run with an error naming this "
+        "field: set it false and resume.",
     )
     cuda_graph_bucket: int = Field(
         256, ge=8, le=1_048_576,

@@ -638,8 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=5, help="--loop: steps per timing window")
     parser.add_argument("--skip-windows", type=int, default=2, help="--loop: windows left out (compile warm-up)")
     parser.add_argument("--train-samples", type=int, default=32, help="--loop: synthetic training samples")
-    parser.add_argument("--cuda-graphs", action="store_true", help="--loop: train.cuda_graphs (whole steps replayed "
-                        "as CUDA graphs on one GPU)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="--loop: train.cuda_graphs (whole steps replayed as CUDA graphs on one GPU; the default)")
     parser.add_argument("--work-dir", default=None, help="--loop: where the synthetic data and runs go (default tmp)")
     args = parser.parse_args(argv)
     if args.loop:
