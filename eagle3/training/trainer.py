@@ -13,6 +13,8 @@ import contextlib
 import json
 import math
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -79,6 +81,22 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
     finally:
         del optimizer.grad_scale
     return norm
+
+
+def quiet_when_the_trainer_is_gone(worker_id: int) -> None:
+    """DataLoader worker setup: a worker hands each batch's shared memory to the trainer as a file
+    descriptor, from a background thread (multiprocessing.resource_sharer). When the trainer stops
+    mid-hand-over (SIGTERM, Ctrl-C), that thread's send fails with a broken pipe and its traceback
+    lands in the user's log under a clean "interrupted" line. Such errors, outside the worker's main
+    thread, are dropped; anything else still prints."""
+    original = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, ConnectionError) and threading.current_thread() is not threading.main_thread():
+            return
+        original(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 class Trainer:
@@ -244,7 +262,7 @@ class Trainer:
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=index_lists, collate_fn=self.collate_fn, num_workers=workers,
             prefetch_factor=self.cfg.prefetch_factor if workers else None,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self.device.type == "cuda", worker_init_fn=quiet_when_the_trainer_is_gone if workers else None,
         )
         return iter(loader)
 

@@ -1036,3 +1036,36 @@ def test_training_refuses_shards_whose_engine_hooked_other_layers():
     manifest["engine"]["capture_indices"] = [1, 3, 4]  # an engine that took the ids as indices
     with pytest.raises(ValueError, match=r"captured HF hidden_states \[1, 3, 4\].*from HF hidden_states \[2, 4, 5\]"):
         _check_dataset_layers(manifest, [1, 3, 4])
+
+
+_WORKER = """
+import sys, threading
+from eagle3.training.trainer import quiet_when_the_trainer_is_gone
+
+def serve(error):  # as multiprocessing.resource_sharer's serving thread reports a failed hand-over
+    try:
+        raise error
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+
+if sys.argv[1] == "quiet":
+    quiet_when_the_trainer_is_gone(0)
+for error in (BrokenPipeError(32, "Broken pipe"), ValueError("a real bug")):
+    thread = threading.Thread(target=serve, args=(error,))
+    thread.start()
+    thread.join()
+serve(ConnectionResetError("in the main thread"))
+"""
+
+
+@pytest.mark.parametrize("setup", ["plain", "quiet"])
+def test_a_loader_worker_keeps_quiet_about_the_trainer_having_gone(setup):
+    """SIGTERM to a training run can stop the trainer while a DataLoader worker hands it a batch; the worker's
+    hand-over thread then prints a BrokenPipeError traceback into the run's log. With the worker setup the
+    trainer installs, connection errors outside the worker's main thread print nothing; other errors do."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _WORKER, setup], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr
+    assert "ValueError: a real bug" in proc.stderr and "ConnectionResetError: in the main thread" in proc.stderr
+    assert ("BrokenPipeError" in proc.stderr) == (setup == "plain")
