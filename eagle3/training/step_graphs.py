@@ -40,7 +40,7 @@ def shape_key(inputs: Inputs) -> Hashable:
 def describe(key: Hashable) -> str:
     """A shape key for a log line: its inputs' distinct shapes."""
     shapes = sorted({tuple(shape) for _, shape, _ in key})
-    return f"{len(key)} inputs of shapes {', '.join(str(list(s)) for s in shapes)}"
+    return f"{len(key)} inputs of shapes {', '.join(str(list(s)) for s in shapes)}" if key else "no inputs"
 
 
 class CapturedStep:

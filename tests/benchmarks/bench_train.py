@@ -248,15 +248,15 @@ def train_step(loss_fn, optimizer, params, device, autocast_dtype):
     return loss.detach(), grad_norm
 
 
-def graphed_train_step(optimizer):
+def graphed_train_step():
     """`train_step` replayed as a CUDA graph (eagle3.training.step_graphs) after two eager steps; the batch
     is static (the loss function's closure), so the graph has no inputs."""
     graphs = None
 
-    def step(loss_fn, optimizer_, params, device, autocast_dtype):
+    def step(loss_fn, optimizer, params, device, autocast_dtype):
         nonlocal graphs
         if graphs is None:
-            graphs = StepGraphs(lambda _: train_step(loss_fn, optimizer_, params, device, autocast_dtype),
+            graphs = StepGraphs(lambda _: train_step(loss_fn, optimizer, params, device, autocast_dtype),
                                 before_replay=lambda: adamw.load_lr(optimizer))
         return graphs({})
 
@@ -274,7 +274,7 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     loss_fn = make_loss_fn(variant, draft, lm_head, data, args.ttt, args.chunk, device)
-    step = graphed_train_step(optimizer) if variant.endswith("_graphed") else train_step
+    step = graphed_train_step() if variant.endswith("_graphed") else train_step
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
