@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -61,14 +62,19 @@ def _server_command(port: int) -> list[str]:
             "--log-level", "error", "--lifespan", "on"]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: str) -> None:
+def _tail(log: IO[bytes], size: int = 2000) -> str:
+    """The last `size` bytes of the server's log; pread leaves the offset it shares with the server alone."""
+    end = os.fstat(log.fileno()).st_size
+    return os.pread(log.fileno(), size, max(0, end - size)).decode(errors="replace")
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: IO[bytes]) -> None:
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                tail = Path(log_path).read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"the temporary Prefect server exited with {proc.returncode} before it was "
-                                   f"ready:\n{tail}")
+                                   f"ready:\n{_tail(log)}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{url}/health").status_code == 200:
                     return
@@ -95,14 +101,14 @@ class TemporaryServer:
 
     proc: subprocess.Popen
     url: str
-    log_path: str
+    log: IO[bytes]  # nameless (O_TMPFILE): nothing to remove, even after a kill -9
 
 
 @contextlib.contextmanager
 def temporary_server() -> Iterator[TemporaryServer | None]:
     """Start the run's temporary Prefect server now, without waiting for it (None when PREFECT_API_URL is set:
     no server to start). The caller imports its flow meanwhile, then enters `prefect_api(server)`. The server
-    is stopped and its log removed on leaving, however the block ends (an error or a signal during the imports
+    is stopped on leaving, however the block ends (an error or a signal during the imports
     included)."""
     from prefect.settings import PREFECT_API_URL
 
@@ -111,15 +117,14 @@ def temporary_server() -> Iterator[TemporaryServer | None]:
         return
     port = _free_port()
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    server_log = tempfile.NamedTemporaryFile(prefix="eagleops-prefect-", suffix=".log", delete=False)
+    server_log = tempfile.TemporaryFile()
     proc = subprocess.Popen(_server_command(port), env=env, start_new_session=True, preexec_fn=_die_with_parent,
                             stdout=server_log, stderr=subprocess.STDOUT)
     try:
-        yield TemporaryServer(proc, f"http://127.0.0.1:{port}/api", server_log.name)
+        yield TemporaryServer(proc, f"http://127.0.0.1:{port}/api", server_log)
     finally:
         _stop(proc)
         server_log.close()
-        os.unlink(server_log.name)
 
 
 @contextlib.contextmanager
@@ -134,7 +139,7 @@ def prefect_api(server: TemporaryServer | None) -> Iterator[str]:
         return
     if server is None:
         raise RuntimeError("PREFECT_API_URL is not set and no temporary Prefect server was started")
-    _wait_healthy(server.proc, server.url, STARTUP_TIMEOUT_S, server.log_path)
+    _wait_healthy(server.proc, server.url, STARTUP_TIMEOUT_S, server.log)
     with temporary_settings(updates={PREFECT_API_URL: server.url}):
         try:
             yield server.url

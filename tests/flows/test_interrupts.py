@@ -238,11 +238,14 @@ def test_kill_9_leaves_no_server_and_the_next_run_marks_the_attempt_killed(workd
     config = write_config(workdir, max_steps=100000)
     log = workdir / "sigkill.log"
     before = prefect_servers()
-    proc = start_cli(["run", str(config)], log)
+    tmp = workdir / "sigkill-tmp"  # the run's TMPDIR: what it leaves there, nobody removes
+    tmp.mkdir()
+    proc = start_cli(["run", str(config)], log, env={"TMPDIR": str(tmp)})
     wait_for_line(log, r"step 10/\d+", proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert_no_new_server(before)  # the server dies with its parent (PR_SET_PDEATHSIG)
+    assert not list(tmp.glob("eagleops-*")), list(tmp.iterdir())  # the server's log had been left here, empty
     run_dir = run_dir_of(workdir)
     stale = json.loads((run_dir / "manifest.json").read_text())["stages"]["train_draft"]
     assert stale["status"] == "running"  # nobody could record anything
