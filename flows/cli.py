@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -155,7 +156,7 @@ def run(
         variants = _variants(config, variant)
     except ConfigError as error:
         _fail_config(error)
-    from tasks.pipeline import STAGES
+    from tasks.stages import STAGES
 
     selected = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
     unknown = sorted(set(selected or []) - set(STAGES))
@@ -175,10 +176,10 @@ def run(
 def _exit_interrupted(config: Path, variant: int | None, stop: KeyboardInterrupt) -> None:
     """One line (which stage, how to resume), exit 130 for Ctrl-C, 143 for SIGTERM."""
     from flows.runtime import Terminated
-    from tasks.pipeline import Pipeline
 
     signal_name, code = ("SIGTERM", 143) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
-    pipeline = Pipeline.active
+    runner = sys.modules.get("tasks.pipeline")  # not imported yet: the run had not started (no slow import now)
+    pipeline = runner.Pipeline.active if runner else None
     if pipeline is None:
         err.print(f"interrupted ({signal_name}) before the run started; nothing was recorded", highlight=False)
         raise typer.Exit(code)
@@ -194,7 +195,7 @@ def _resume_command(config: Path, variant: int | None, run_dir: Path) -> str:
 
 def _disk_full_line(config: Path, variant: int | None, full: BaseException) -> str:
     """One line: the stage, what filled, where, what is free, and the command that resumes once space is freed."""
-    from tasks.pipeline import DiskFull
+    from tasks.stages import DiskFull
 
     if isinstance(full, DiskFull):
         again = _resume_command(config, variant, full.run_dir)
@@ -218,20 +219,19 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
     from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
     from tasks.diskspace import disk_full_error
-    from tasks.pipeline import DiskFull, Pipeline, SelectionError, StageFailed
     from tasks.secrets import redact
+    from tasks.stages import DiskFull, SelectionError, StageFailed
 
-    from prefect.settings import PREFECT_API_URL
-
-    from tasks.tracking import NO_PREFECT_UI_ENV
-
-    Pipeline.active = None
-    if not PREFECT_API_URL.value():  # temporary_server() starts one: its address is no link to keep
-        os.environ[NO_PREFECT_UI_ENV] = "1"
+    if "tasks.pipeline" in sys.modules:  # a sweep's earlier grid point ran in this process
+        sys.modules["tasks.pipeline"].Pipeline.active = None
     try:
         with signals_as_exceptions(), temporary_server() as server:
             # imported while the server boots (seconds each, now overlapping); prefect_api waits for it
             from flows.experiment import eagle3_experiment
+            from tasks.tracking import NO_PREFECT_UI_ENV
+
+            if server is not None:  # a temporary server: its address is no link to keep
+                os.environ[NO_PREFECT_UI_ENV] = "1"
 
             with redacted_stdio(), prefect_api(server):
                 result = eagle3_experiment(
@@ -492,9 +492,8 @@ def nightly(
 ) -> None:
     """Retrain, benchmark against the registry's champion on the same host and prompts, promote or keep."""
     from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
-    from tasks.pipeline import StageFailed
     from tasks.secrets import redact
-    from tasks.tracking import tracking_uri_for
+    from tasks.stages import StageFailed
 
     try:
         cfg = load_experiment(config)
@@ -510,6 +509,8 @@ def nightly(
     except (StageFailed, ValueError) as failure:
         err.print(f"[red]nightly failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
+    from tasks.tracking import tracking_uri_for
+
     for line in nightly_outcome(result, tracking_uri_for(cfg)):
         out.print(line, highlight=False, soft_wrap=True)
 

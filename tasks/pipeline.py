@@ -40,6 +40,7 @@ from tasks.mlflow_journal import is_placeholder, journal_path
 from tasks.mlflow_store import has_run, relocate_local_store
 from tasks.rundir import MANIFEST, RunDirectory, digest_json, digest_paths, elapsed_since, now_iso, write_json_atomic
 from tasks.secrets import install_log_redaction, redact, register_secrets
+from tasks.stages import STAGES, DiskFull, SelectionError, StageFailed
 from tasks.system_metrics import system_metrics
 from tasks.tracking import (
     RunLogger,
@@ -163,30 +164,12 @@ STAGE_SPECS: dict[str, StageSpec] = {
 }
 # Set (the test suite does) to fail a stage that read a field its spec does not declare, instead of a warning.
 STRICT_READS_ENV = "EAGLEOPS_STRICT_STAGE_READS"
-STAGES = list(STAGE_SPECS)
 # Stages that run whatever --stages says: the report summarises whatever ran.
 ALWAYS_SELECTED = {"report"}
 
 
-class StageFailed(RuntimeError):
-    """A stage raised; the message names the stage and its error."""
-
-
 class UndeclaredReads(RuntimeError):
     """A stage read a config field its StageSpec does not declare (see Pipeline._check_reads)."""
-
-
-class SelectionError(StageFailed):
-    """A stage cannot run: an upstream output it needs is not available in this run folder."""
-
-
-class DiskFull(StageFailed):
-    """A stage failed because its disk filled; `detail` says what filled, where and what is free now."""
-
-    def __init__(self, stage: str, detail: str, run_dir: Path, config_path: str):
-        self.stage, self.detail, self.run_dir = stage, detail, run_dir
-        super().__init__(f"{stage} failed: {detail}; free space, then resume with: "
-                         f"eagleops run {config_path} --run-dir {run_dir}")
 
 
 def _run_link(tracking_uri: str, run_id: str) -> str:

@@ -291,3 +291,12 @@ def test_a_moved_runs_root_reuses_its_cached_tiny_target(stage_run, tmp_path):
     assert Path(data["outputs"]["target_dir"]).parent == cache  # ... found in the moved root's cache
     assert snapshot(cache) == cached  # reused as it was: not trained again, nothing added
     assert not old_root.exists()
+
+
+def test_the_light_stage_list_is_the_runners():
+    """`eagleops run` checks --stages against tasks.stages (no Prefect/MLflow/torch import before its server
+    starts); the runner's specs must name the same stages in the same order."""
+    from tasks.pipeline import STAGE_SPECS
+    from tasks.stages import STAGES
+
+    assert list(STAGE_SPECS) == STAGES
