@@ -22,5 +22,6 @@ def test_a_server_that_exits_at_start_is_reported_with_its_log_and_leaves_no_fil
             with runtime.prefect_api(server):
                 pass
     assert "the temporary Prefect server exited with 3 before it was ready" in str(failed.value)
-    assert str(failed.value).endswith(f"starting\nport {server.url.split(':')[-1].split('/')[0]} is taken\n")
+    port = server.url.removeprefix("http://127.0.0.1:").removesuffix("/api")
+    assert str(failed.value).endswith(f"starting\nport {port} is taken\n")
     assert server.proc.poll() == 3 and server.log.closed

@@ -1063,9 +1063,7 @@ def test_a_loader_worker_keeps_quiet_about_the_trainer_having_gone(setup):
     """SIGTERM to a training run can stop the trainer while a DataLoader worker hands it a batch; the worker's
     hand-over thread then prints a BrokenPipeError traceback into the run's log. With the worker setup the
     trainer installs, connection errors outside the worker's main thread print nothing; other errors do."""
-    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _WORKER, setup], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": path})
+    proc = subprocess.run([sys.executable, "-c", _WORKER, setup], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "ValueError: a real bug" in proc.stderr and "ConnectionResetError: in the main thread" in proc.stderr
     assert ("BrokenPipeError" in proc.stderr) == (setup == "plain")
