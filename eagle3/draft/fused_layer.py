@@ -17,15 +17,19 @@ fp32 on CUDA: the optimizer writes each master's bf16 copy into its rows as it u
 nothing (a cast reads 4 B and writes 2 B per weight; the optimizer writes 2 B more instead: on a
 Llama-3.1-8B step the cast kernels' 0.6 ms went, the optimizer took 0.26 ms more). A copy counts as
 current while each master's `_version` and `data_ptr()` are what they were when it was last
-written; any other change to a master (load_state_dict, an eager optimizer step, `.data =`) changes
-one of them and the rows are cast again.
+written and no torch optimizer has stepped it since; any other change to a master (load_state_dict,
+`.data =`) changes one of them and the rows are cast again. The optimizer step is watched on its own:
+torch's fused AdamW kernel updates the parameters without moving their version counters (torch 2.11),
+so a run with `train.compile: false` trained on its first weights until a global step hook forgot the
+rows of every parameter an optimizer stepped.
 
 Risk: the sum is handed over when the weight's last registered use has run its backward. Every
 use registered in a forward with grad enabled must therefore receive a gradient in the same
 backward (true of the TTT unroll: each step's output reaches the loss); a use whose output never
 reaches the loss would hold the sum back. `FusedLayerWeights.pending()` says whether any is left.
-A persistent copy is wrong only if a master changes without its version counter moving (an in-place
-write through `.data`, or a compiled function that mutates it other than the optimizer's update).
+A persistent copy is wrong only if a master changes without its version counter moving and outside
+a torch optimizer's step (an in-place write through `.data`, a fused kernel called directly, or a
+compiled function that mutates it other than the optimizer's update).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 
@@ -86,6 +91,9 @@ class _PersistentCopy:
     def mark_written(self, master: Tensor) -> None:
         self.written[id(master)] = (master._version, master.data_ptr())
 
+    def forget(self, master: Tensor) -> None:
+        self.written.pop(id(master), None)
+
     @torch.no_grad()
     def refresh(self, masters: list[Tensor]) -> Tensor:
         for master in masters:  # only the rows whose master changed since they were written
@@ -120,11 +128,38 @@ def compute_copy(masters: list[Tensor], dtype: torch.dtype | None) -> Tensor:
         return _fused_copy(masters, dtype)
     copy = _persistent_copies.get(masters[0])
     if copy is None or not copy.matches(masters, dtype):
-        copy = _PersistentCopy(masters, dtype)
-        _persistent_copies[masters[0]] = copy
-        for master in masters:
-            _shadows[master] = copy
+        copy = register_persistent_copy(masters, dtype)
     return copy.refresh(masters)
+
+
+def register_persistent_copy(masters: list[Tensor], dtype: torch.dtype) -> _PersistentCopy:
+    """A new persistent copy of `masters`, found by `compute_copy` and `shadow_of` from now on."""
+    _watch_optimizer_steps()
+    copy = _PersistentCopy(masters, dtype)
+    _persistent_copies[masters[0]] = copy
+    for master in masters:
+        _shadows[master] = copy
+    return copy
+
+
+_optimizer_hook = None
+
+
+def _watch_optimizer_steps() -> None:
+    """After any torch optimizer's step, the rows of the parameters it stepped are stale (see the module
+    docstring). `eagle3.training.adamw`'s update does not go through `Optimizer.step` and marks the
+    rows it writes itself."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(_forget_stepped_rows)
+
+
+def _forget_stepped_rows(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            copy = _shadows.get(param)
+            if copy is not None:
+                copy.forget(param)
 
 
 def shadow_of(param: Tensor) -> Tensor | None:

@@ -257,7 +257,7 @@ def graphed_train_step():
         nonlocal graphs
         if graphs is None:
             graphs = StepGraphs(lambda _: train_step(loss_fn, optimizer, params, device, autocast_dtype),
-                                before_replay=lambda: adamw.load_lr(optimizer))
+                                before_replay=lambda: adamw.load_hyperparameters(optimizer))
         return graphs({})
 
     return step

@@ -592,11 +592,11 @@ def test_clip_folded_into_fused_adamw_equals_clip_grad_norm():
     assert results[0][1] == pytest.approx(results[1][1])
 
 
-def _adamw_runs(step_fn, device: str) -> list[torch.Tensor]:
+def _adamw_runs(step_fn, device: str, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8) -> list[torch.Tensor]:
     """Three AdamW steps (weight decay on, a clipped and two unclipped gradients) from fixed weights."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 33, device=device)), torch.nn.Parameter(torch.randn(7, device=device))]
-    opt = torch.optim.AdamW(params, lr=3e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(params, lr=3e-2, betas=betas, weight_decay=weight_decay, eps=eps, fused=True)
     for i, clip in enumerate((4.0, 1.0, 1.0)):
         for p in params:
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(device) * (i + 1)
@@ -619,6 +619,24 @@ def test_one_pass_adamw_update_equals_torchs_fused_adamw():
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
 
 
+def test_the_compiled_adamw_update_follows_each_optimizers_own_hyperparameters():
+    """One compiled update serving optimizers with other betas, weight decay and eps, as a sweep or a
+    second run on the same machine does: each matches torch's fused AdamW with its own values. With the
+    hyperparameters passed as Python floats, inductor's cache handed the second optimizer the kernel
+    compiled for the first (torch 2.11: max error 3.7e-4 after 3 steps, both on the CPU and on the H200)."""
+    from eagle3.training import adamw
+
+    adamw.compile_adamw()
+    try:
+        for betas, weight_decay, eps in [((0.9, 0.95), 0.1, 1e-8), ((0.9, 0.999), 0.01, 1e-8), ((0.8, 0.9), 0.0, 1e-6)]:
+            got = _adamw_runs(adamw.adamw_step, "cpu", betas, weight_decay, eps)
+            want = _adamw_runs(_torch_fused_step, "cpu", betas, weight_decay, eps)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=f"betas {betas}, weight decay {weight_decay}")
+    finally:
+        adamw.uncompile_adamw()
+
+
 def test_adamw_writes_the_persistent_weight_copy_and_a_changed_master_is_cast_again():
     """The compute-dtype copy of fused masters (eagle3/draft/fused_layer.py) is written by the optimizer's
     update and found current by the next unroll; a master changed any other way (load_state_dict, an
@@ -629,9 +647,7 @@ def test_adamw_writes_the_persistent_weight_copy_and_a_changed_master_is_cast_ag
 
     torch.manual_seed(0)
     masters = [torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(3, 6))]
-    copy = fused_layer._PersistentCopy(masters, torch.bfloat16)
-    for m in masters:
-        fused_layer._shadows[m] = copy
+    copy = fused_layer.register_persistent_copy(masters, torch.bfloat16)
     try:
         assert torch.equal(copy.refresh(masters), torch.cat(masters).bfloat16())
         opt = torch.optim.AdamW(masters, lr=0.1, fused=True)
@@ -647,7 +663,14 @@ def test_adamw_writes_the_persistent_weight_copy_and_a_changed_master_is_cast_ag
         assert torch.equal(copy.buffer[:4], before[:4])
         masters[0].data = torch.randn(4, 6)  # new storage: the version counter may not move, the pointer does
         assert torch.equal(copy.refresh(masters)[:4], masters[0].detach().bfloat16())
+        for m in masters:
+            m.grad = torch.randn_like(m)
+        versions = [m._version for m in masters]
+        opt.step()  # torch's fused kernel: the masters change, their version counters do not
+        assert [m._version for m in masters] == versions
+        assert torch.equal(copy.refresh(masters), torch.cat(masters).detach().bfloat16())
     finally:
+        fused_layer._persistent_copies.pop(masters[0], None)
         for m in masters:
             fused_layer._shadows.pop(m, None)
 
@@ -655,12 +678,14 @@ def test_adamw_writes_the_persistent_weight_copy_and_a_changed_master_is_cast_ag
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
-    """Three bf16 training steps with the compiled AdamW, which then writes the persistent weight copies:
-    each copy holds its updated master cast to bf16, and the losses are those of the same steps casting
-    every weight at every unroll. Not bit for bit: on the H200 (2026-12-02) step 1's loss differed in
-    the 6th digit (10.995489 vs 10.995474; not isolated: AdamW compiled with and without the copy's
-    store, or its cast, presumably rounds a few weights differently). A copy one update stale would
-    move the loss by the whole step (~4% here), far outside the bound."""
+    """Three bf16 training steps that keep the persistent weight copies, against the same steps casting
+    every weight at every unroll: with the compiled AdamW, which writes the copies, and with torch's fused
+    AdamW (`train.compile: false`), whose kernel leaves the version counters alone (on the H200,
+    2026-12-03, that run trained on its first weights: losses 11.44, 11.17, 11.04 against 11.44, 11.00,
+    10.58). Each copy holds its updated master cast to bf16 at the end. Not bit for bit: step 1's loss
+    differed in the 6th digit (10.995489 vs 10.995474; AdamW compiled with and without the copy's store
+    presumably rounds a few weights differently). A copy one update stale moves the loss by the whole
+    step (~4% here), far outside the bound."""
     import eagle3.draft.fused_layer as fused_layer
     from eagle3.training import adamw
     from eagle3.training.schedule import default_collate_fn
@@ -668,36 +693,40 @@ def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
 
     embed, lm_head, mapping = make_world()
     batch = {k: v.cuda() for k, v in default_collate_fn(make_items(4, 3, embed, t_max=64)).items()}
-    results = []
-    adamw.compile_adamw()
+
+    def three_steps(persistent: bool) -> tuple[list[float], int]:
+        fused_layer.set_persistent_copies(persistent)
+        draft = make_draft(embed, mapping).cuda()
+        params = [q for q in draft.parameters() if q.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        module = Eagle3TTTModule(draft, train_config(ttt_steps=4))
+        p, ids, in_vocab = compute_teacher(batch["last_hidden_states"], lm_head.cuda(), draft.t2d)
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(),
+                                 p, ids, in_vocab)
+            loss.backward()
+            clip_and_step(opt, params, 0.5)
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        for copy in {id(c): c for q in params if (c := fused_layer._shadows.get(q)) is not None}.values():
+            copy.refresh([ref() for ref in copy.refs])  # as the next unroll would
+        shadows = [(fused_layer.shadow_of(q), q) for q in params if fused_layer.shadow_of(q) is not None]
+        for shadow, q in shadows:  # q cast, to the rounding of one bf16 step
+            torch.testing.assert_close(shadow.float(), q.detach().bfloat16().float(), rtol=2**-7, atol=0)
+        return losses, len(shadows)
+
     try:
-        for persistent in (True, False):
-            fused_layer.set_persistent_copies(persistent)
-            draft = make_draft(embed, mapping).cuda()
-            params = [q for q in draft.parameters() if q.requires_grad]
-            opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
-            module = Eagle3TTTModule(draft, train_config(ttt_steps=4))
-            p, ids, in_vocab = compute_teacher(batch["last_hidden_states"], lm_head.cuda(), draft.t2d)
-            losses = []
-            for _ in range(3):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(),
-                                     p, ids, in_vocab)
-                loss.backward()
-                clip_and_step(opt, params, 0.5)
-                opt.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-            shadows = [(fused_layer.shadow_of(q), q) for q in params if fused_layer.shadow_of(q) is not None]
-            for shadow, q in shadows:  # written by the last update: q cast, to the rounding of one bf16 step
-                torch.testing.assert_close(shadow.float(), q.detach().bfloat16().float(), rtol=2**-7, atol=0)
-            results.append((losses, len(shadows)))
+        for compiled in (True, False):
+            (adamw.compile_adamw if compiled else adamw.uncompile_adamw)()
+            (losses_p, shadowed), (losses_c, none) = three_steps(True), three_steps(False)
+            assert (shadowed, none) == (8, 0)  # q, k, v, o, gate, up, down, lm_head (fc: autocast; norms: as they are)
+            assert losses_p[0] == losses_c[0], compiled  # the first unroll casts in both
+            assert losses_p == pytest.approx(losses_c, rel=1e-4), compiled
     finally:
         adamw.uncompile_adamw()
         fused_layer.set_persistent_copies(True)
-    (losses_p, shadowed), (losses_c, none) = results
-    assert (shadowed, none) == (8, 0)  # q, k, v, o, gate, up, down, lm_head (fc: cast by autocast; norms: as they are)
-    assert losses_p[0] == losses_c[0]  # the first unroll casts in both
-    assert losses_p == pytest.approx(losses_c, rel=1e-4)
 
 
 @pytest.mark.gpu
