@@ -17,6 +17,7 @@ tests/eagle3/training/test_train.py compares it with torch's fused step.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -27,18 +28,19 @@ from eagle3.draft.fused_layer import shadow_of, shadow_written
 
 
 def _adamw_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
-                 beta1: Tensor, beta2: Tensor, weight_decay: Tensor, eps: Tensor, clip: Tensor,
-                 shadow: Tensor | None = None) -> None:
+                 decay: Tensor, one_minus_beta1: Tensor, beta2: Tensor, one_minus_beta2: Tensor, log_beta1: Tensor,
+                 log_beta2: Tensor, eps: Tensor, clip: Tensor, shadow: Tensor | None = None) -> None:
     """One AdamW update of one parameter in place; `step` (0-dim) is incremented first, as torch does.
-    The hyperparameters are 0-dim float64 tensors (see `_group_hyperparameters`). `shadow` (the
+    The hyperparameters are 0-dim float32 tensors (see `_hyperparameter_values`). `shadow` (the
     parameter's compute-dtype copy, if any) receives the updated parameter, cast."""
     step.add_(1)
     grad = grad / clip
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, (1 - beta1).to(exp_avg.dtype))  # lerp wants its weight in the input's dtype
-    exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    param.mul_(decay)
+    exp_avg.lerp_(grad, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * grad * grad)
+    # 1 - beta**step as -expm1(step log beta): float32 keeps it to ~1e-7 where 1 - 0.999**step loses 1e-5
+    bias_correction1 = -torch.expm1(step * log_beta1)
+    bias_correction2_sqrt = (-torch.expm1(step * log_beta2)).sqrt()
     param.sub_(lr / bias_correction1 * exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps))
     if shadow is not None:
         shadow.copy_(param)
@@ -60,45 +62,56 @@ def uncompile_adamw() -> None:
     _adamw_fn, _enabled = _adamw_param, False
 
 
-# optimizer -> {(group index, device): the group's hyperparameters as 0-dim float64 device tensors}
+# optimizer -> {(group index, device): the group's hyperparameters (0-dim float32 device tensors) and the
+# values they were last filled with}
 _hyperparameter_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _hyperparameter_values(group: dict) -> tuple[float, ...]:
-    """lr, beta1, beta2, weight_decay, eps: the order `_adamw_param` takes them in."""
-    beta1, beta2 = group["betas"]
-    return float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"])
+    """What `_adamw_param` takes after `step`, computed in double here: lr, 1 - lr * weight_decay,
+    1 - beta1, beta2, 1 - beta2, log beta1, log beta2, eps."""
+    lr, (beta1, beta2), weight_decay = float(group["lr"]), map(float, group["betas"]), float(group["weight_decay"])
+    return lr, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, _log(beta1), _log(beta2), float(group["eps"])
+
+
+def _log(beta: float) -> float:
+    return math.log(beta) if beta > 0 else -math.inf  # beta 0: no averaging, bias correction 1
 
 
 def _group_hyperparameters(optimizer: torch.optim.Optimizer, index: int, device: torch.device) -> tuple[Tensor, ...]:
-    """The group's hyperparameters on `device` as 0-dim float64 tensors, refreshed from the group here
-    unless a CUDA graph is being captured: a graph would freeze the values, so its replays read the
-    tensors that `load_hyperparameters` refreshes before each.
+    """The group's hyperparameters on `device` as 0-dim tensors, refreshed from the group here unless a
+    CUDA graph is being captured: a graph would freeze the values, so its replays read the tensors that
+    `load_hyperparameters` refreshes before each.
 
     Tensors, not Python floats: with floats, inductor's cache handed a kernel compiled for one
     optimizer's values to another's (torch 2.11, same process or a later one on the same machine:
     betas (0.9, 0.999) and weight decay 0.01 after (0.9, 0.95) and 0.1 were 3.7e-4 off in 3 steps;
-    tests/eagle3/training/test_train.py keeps it out). float64: `1 - beta2` and the bias corrections
-    keep the precision they had as Python floats."""
-    tensors = _hyperparameter_tensors.setdefault(optimizer, {})
-    values = tensors.get((index, device))
-    if values is None:
-        values = tensors[(index, device)] = tuple(torch.empty((), dtype=torch.float64, device=device) for _ in range(5))
+    its kernel had beta1 baked in; tests/eagle3/training/test_train.py keeps it out)."""
+    groups = _hyperparameter_tensors.setdefault(optimizer, {})
+    entry = groups.get((index, device))
+    if entry is None:
+        tensors = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in range(8))
+        entry = groups[(index, device)] = [tensors, None]
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _fill(values, _hyperparameter_values(optimizer.param_groups[index]))
-    return values
+        _refresh(entry, optimizer.param_groups[index])
+    return entry[0]
 
 
-def _fill(tensors: tuple[Tensor, ...], values: tuple[float, ...]) -> None:
-    for tensor, value in zip(tensors, values):
-        tensor.fill_(value)  # a fill kernel, not a host->device copy (no sync)
+def _refresh(entry: list, group: dict) -> None:
+    """Fill the tensors whose value changed (usually the lr alone): fill kernels, not host->device copies."""
+    tensors, filled = entry
+    values = _hyperparameter_values(group)
+    for i, (tensor, value) in enumerate(zip(tensors, values)):
+        if filled is None or filled[i] != value:
+            tensor.fill_(value)
+    entry[1] = values
 
 
 def load_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
     """Write each group's current lr (and betas, weight decay, eps) into the tensors a captured
     `adamw_step` reads (before a replay)."""
-    for (index, _), tensors in _hyperparameter_tensors.get(optimizer, {}).items():
-        _fill(tensors, _hyperparameter_values(optimizer.param_groups[index]))
+    for (index, _), entry in _hyperparameter_tensors.get(optimizer, {}).items():
+        _refresh(entry, optimizer.param_groups[index])
 
 
 def eligible(optimizer: torch.optim.Optimizer) -> bool:
