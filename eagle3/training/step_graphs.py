@@ -28,26 +28,31 @@ from typing import Callable, Hashable
 import torch
 from torch import Tensor
 
-Inputs = dict[str, Tensor]
+Inputs = list[dict[str, Tensor]]  # a step's micro-batches
 StepFn = Callable[[Inputs], tuple[Tensor, ...]]
 
 
 def shape_key(inputs: Inputs) -> Hashable:
-    """What a captured graph is specific to: each input's name, shape and dtype."""
-    return tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(inputs.items()))
+    """What a captured graph is specific to: each micro-batch's tensor names, shapes and dtypes."""
+    return tuple(tuple((name, tuple(t.shape), t.dtype) for name, t in sorted(batch.items())) for batch in inputs)
 
 
 def describe(key: Hashable) -> str:
-    """A shape key for a log line: its inputs' distinct shapes."""
-    shapes = sorted({tuple(shape) for _, shape, _ in key})
-    return f"{len(key)} inputs of shapes {', '.join(str(list(s)) for s in shapes)}" if key else "no inputs"
+    """A shape key for a log line: how many input tensors, and their distinct shapes."""
+    entries = [entry for batch in key for entry in batch]
+    shapes = sorted({tuple(shape) for _, shape, _ in entries})
+    return f"{len(entries)} inputs of shapes {', '.join(str(list(s)) for s in shapes)}" if entries else "no inputs"
+
+
+def _tensors(inputs: Inputs) -> list[Tensor]:
+    return [t for batch in inputs for t in batch.values()]
 
 
 class CapturedStep:
     """One step captured for one input shape; `replay(inputs)` copies the inputs in and runs it."""
 
     def __init__(self, step: StepFn, example: Inputs, stream: torch.cuda.Stream, pool) -> None:
-        self.inputs = {name: torch.empty_like(t) for name, t in example.items()}
+        self.inputs = [{name: torch.empty_like(t) for name, t in batch.items()} for batch in example]
         self._copy_in(example)
         stream.wait_stream(torch.cuda.current_stream())
         self.graph = torch.cuda.CUDAGraph()
@@ -57,8 +62,9 @@ class CapturedStep:
             self.outputs = step(self.inputs)
 
     def _copy_in(self, inputs: Inputs) -> None:
-        for name, static in self.inputs.items():
-            static.copy_(inputs[name], non_blocking=True)
+        for statics, batch in zip(self.inputs, inputs):
+            for name, static in statics.items():
+                static.copy_(batch[name], non_blocking=True)
 
     def replay(self, inputs: Inputs) -> tuple[Tensor, ...]:
         self._copy_in(inputs)
@@ -118,7 +124,7 @@ class StepGraphs:
         with torch.cuda.stream(self.stream):
             outputs = self.step(inputs)
         main.wait_stream(self.stream)
-        for t in inputs.values():
+        for t in _tensors(inputs):
             t.record_stream(self.stream)  # read on the side stream, freed on the main one
         for t in outputs:
             t.record_stream(main)  # made on the side stream, read on the main one

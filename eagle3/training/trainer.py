@@ -331,21 +331,13 @@ class Trainer:
         if not (self.cfg.cuda_graphs and self.device.type == "cuda" and self.info.world_size == 1
                 and self.online_features is None and adamw.eligible(self.optimizer)):
             return None
-        return StepGraphs(self._graph_step, before_replay=lambda: adamw.load_hyperparameters(self.optimizer), log=self.log)
+        return StepGraphs(self._compute_step, before_replay=lambda: adamw.load_hyperparameters(self.optimizer), log=self.log)
 
-    def _graph_inputs(self, device_batches: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-        """The step's micro-batches as one flat dict, each padded to the step's length bucket (one graph per
-        bucket; padded positions are outside every mask, see `pad_time`)."""
+    def _graph_inputs(self, device_batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """The step's micro-batches, each padded to the step's length bucket (one graph per bucket; padded
+        positions are outside every mask, see `pad_time`)."""
         length = bucket_length(max(batch["input_ids"].shape[1] for batch in device_batches), self.cfg.cuda_graph_bucket)
-        return {f"{i}/{name}": tensor for i, batch in enumerate(device_batches)
-                for name, tensor in pad_time(batch, length).items()}
-
-    def _graph_step(self, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        batches: dict[int, dict[str, Tensor]] = {}
-        for key, tensor in inputs.items():
-            index, name = key.split("/", 1)
-            batches.setdefault(int(index), {})[name] = tensor
-        return self._compute_step([batches[i] for i in sorted(batches)])
+        return [pad_time(batch, length) for batch in device_batches]
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

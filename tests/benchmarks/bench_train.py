@@ -258,7 +258,7 @@ def graphed_train_step():
         if graphs is None:
             graphs = StepGraphs(lambda _: train_step(loss_fn, optimizer, params, device, autocast_dtype),
                                 before_replay=lambda: adamw.load_hyperparameters(optimizer))
-        return graphs({})
+        return graphs([])
 
     return step
 

@@ -29,8 +29,8 @@ def test_bucket_length_rounds_up_to_whole_buckets():
 
 
 def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp_path):
-    """The graph path's inputs (`_graph_inputs`: micro-batches of different lengths padded to one bucket and
-    flattened, `_graph_step` unflattening them) give the step the eager path gives: same stats, grad norm and
+    """The graph path's inputs (`_graph_inputs`: micro-batches of different lengths padded to one bucket)
+    give the step the eager path gives: same stats, grad norm and
     updated weights. On the CPU, where no graph is captured, the step function is the one a graph records."""
     embed, _, _ = make_world()
     items = make_items(8, 3, embed, t_max=24)
@@ -41,9 +41,9 @@ def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp
     eager = _trainer(tmp_path / "eager", items, batch_size=2, grad_accum=2, cuda_graph_bucket=16)
     padded = _trainer(tmp_path / "padded", items, batch_size=2, grad_accum=2, cuda_graph_bucket=16)
     inputs = padded._graph_inputs(micro_batches)
-    assert {t.shape[1] for t in inputs.values()} == {32}
+    assert {t.shape[1] for batch in inputs for t in batch.values()} == {32}
     stats_e, norm_e = eager._compute_step(micro_batches)
-    stats_p, norm_p = padded._graph_step(inputs)
+    stats_p, norm_p = padded._compute_step(inputs)
 
     assert stats_e[1].sum() > 0  # something was counted
     torch.testing.assert_close(stats_p, stats_e, rtol=1e-5, atol=1e-6)
@@ -99,8 +99,8 @@ def step(inputs):
 
 graphs = StepGraphs(step, warmup=1)
 x = torch.arange(4.0, device="cuda")
-print("eager", graphs({"x": x})[0].item(), flush=True)
-graphs({"x": x + 1})
+print("eager", graphs([{"x": x}])[0].item(), flush=True)
+graphs([{"x": x + 1}])
 """
 
 
