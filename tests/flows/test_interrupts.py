@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -92,29 +93,30 @@ def start_cli(args: list[str], log: Path, env: dict | None = None, cwd: Path | N
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def wait_until(done: Callable[[], bool], what: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Poll `done` until it holds; fail (and kill `proc`) if `proc` exits first or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if re.search(pattern, log.read_text(errors="replace")):
+        if done():
             return
-        assert proc.poll() is None, f"exited {proc.returncode} before {pattern!r}:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
     proc.kill()
-    raise AssertionError(f"no {pattern!r} within {timeout}s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"not {what} within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def wait_for_line(log: Path, pattern: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+    wait_until(lambda: re.search(pattern, log.read_text(errors="replace")) is not None, f"{pattern!r} logged",
+               proc, log, timeout)
 
 
 def wait_for_stage(run_dir: Path, stage: str, status: str, proc: subprocess.Popen, log: Path,
                    timeout: float = 120) -> None:
     """Until the run folder's manifest records `stage` with `status` (the manifest is written atomically)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stages = json.loads((run_dir / "manifest.json").read_text())["stages"]
-        if stages.get(stage, {}).get("status") == status:
-            return
-        assert proc.poll() is None, f"exited {proc.returncode} before {stage} was {status}:\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"{stage} not {status} within {timeout}s:\n{log.read_text()[-3000:]}")
+    def recorded() -> bool:
+        return json.loads((run_dir / "manifest.json").read_text())["stages"].get(stage, {}).get("status") == status
+
+    wait_until(recorded, f"{stage} {status}", proc, log, timeout)
 
 
 def served_requests(port: int) -> float:
@@ -127,11 +129,7 @@ def served_requests(port: int) -> float:
 
 
 def wait_for_requests(port: int, count: float, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while served_requests(port) < count:
-        assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"fewer than {count} requests served within {timeout}s"
-        time.sleep(0.2)
+    wait_until(lambda: served_requests(port) >= count, f"{count:g} requests served", proc, log, timeout)
 
 
 def run_dir_of(workdir: Path) -> Path:
