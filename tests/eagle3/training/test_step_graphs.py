@@ -28,10 +28,12 @@ def test_bucket_length_rounds_up_to_whole_buckets():
     assert [bucket_length(n, 16) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 48]
 
 
-def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp_path):
+def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp_path, monkeypatch):
     """The graph path's inputs (`_graph_inputs`: micro-batches of different lengths padded to one bucket)
-    give the step the eager path gives: same stats, grad norm and
-    updated weights. On the CPU, where no graph is captured, the step function is the one a graph records."""
+    give the step the eager path gives: same stats, grad norm and updated weights. On the CPU in fp32, also
+    on a GPU host (exact there; bf16 on a GPU would round differently per shape): the step function is
+    the one a graph records."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the trainer's device: the CPU
     embed, _, _ = make_world()
     items = make_items(8, 3, embed, t_max=24)
     micro_batches = [default_collate_fn(items[:2]), default_collate_fn(items[2:4])]
@@ -81,10 +83,14 @@ def test_replayed_steps_train_as_the_eager_steps(tmp_path, lengths):
     lrs = [h["train/lr"] for h in graphed if "train/lr" in h]
     assert len(set(lrs)) == len(lrs) - 1  # every step's differs but for the peak, which warm-up's end and step 1 share
     rel, weights = (2e-4, dict(rtol=1e-4, atol=1e-5)) if lengths == "fixed" else (5e-3, dict(rtol=1e-2, atol=1e-3))
+    # accuracies (and the accept length made of them) count argmax hits: bf16 rounding may flip one of the
+    # ~95 positions (H200, 2026-12-03: step 7's acc_2 0.0842 vs 0.0947) where the losses agree to 5e-3
+    flips = 1e-6 if lengths == "fixed" else 0.025
     for g, e in zip(graphed, eager):
         for key in e:
             if not key.endswith(("tokens_per_s", "peak_memory_gib")):
-                assert g[key] == pytest.approx(e[key], rel=rel, abs=1e-6), (g["step"], key)
+                within = flips if "/acc" in key or key.endswith("accept_length") else 1e-6
+                assert g[key] == pytest.approx(e[key], rel=rel, abs=within), (g["step"], key)
     for (name, a), b in zip(reference.draft.named_parameters(), trainer.draft.parameters()):
         torch.testing.assert_close(b, a, **weights, msg=name)
 
@@ -94,7 +100,7 @@ import torch
 from eagle3.training.step_graphs import StepGraphs
 
 def step(inputs):
-    total = inputs["x"].sum()
+    total = inputs[0]["x"].sum()
     return (total * float(total.item() > 0),)  # the .item() is what a capture refuses
 
 graphs = StepGraphs(step, warmup=1)
