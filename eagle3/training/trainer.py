@@ -326,7 +326,7 @@ class Trainer:
 
     def _step_graphs(self) -> StepGraphs | None:
         """Whole steps replayed as CUDA graphs (eagle3.training.step_graphs) where that is the same step: one
-        process on CUDA, compiled AdamW (its learning rate is a device tensor), stored hidden states (the
+        process on CUDA, compiled AdamW (its hyperparameters are device tensors), stored hidden states (the
         online extractor runs the target model, which is not captured)."""
         if not (self.cfg.cuda_graphs and self.device.type == "cuda" and self.info.world_size == 1
                 and self.online_features is None and adamw.eligible(self.optimizer)):
