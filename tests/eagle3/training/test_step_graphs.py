@@ -50,8 +50,16 @@ def test_a_step_of_micro_batches_padded_to_a_bucket_equals_the_unpadded_step(tmp
     assert stats_e[1].sum() > 0  # something was counted
     torch.testing.assert_close(stats_p, stats_e, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm_p, norm_e, rtol=1e-5, atol=1e-7)
+    lr = eager.optimizer.param_groups[0]["lr"]
     for (name, a), b in zip(eager.draft.named_parameters(), padded.draft.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+        if not a.requires_grad:
+            continue
+        # the gradients, as AdamW's first moment holds them (0.1 g / clip): continuous in g. The weights are not:
+        # AdamW's first update is lr g / (|g| + 1e-8), so a gradient near 1e-8 turns rounding into up to +-lr
+        # (seen on a 16-core host: the padded GEMMs sum in another order)
+        torch.testing.assert_close(padded.optimizer.state[b]["exp_avg"], eager.optimizer.state[a]["exp_avg"],
+                                   rtol=1e-4, atol=1e-9, msg=name)
+        torch.testing.assert_close(b, a, rtol=0, atol=2.5 * lr, msg=name)
     assert all(p.grad is None for p in padded.params)  # as a captured step must leave them
 
 
