@@ -18,6 +18,7 @@ tests/eagle3/training/test_train.py compares it with torch's fused step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -62,8 +63,24 @@ def uncompile_adamw() -> None:
     _adamw_fn, _enabled = _adamw_param, False
 
 
-# optimizer -> {(group index, device): the group's hyperparameters (0-dim float32 device tensors) and the
-# values they were last filled with}
+@dataclass
+class _GroupHyperparameters:
+    """One parameter group's hyperparameters on one device (0-dim float32 tensors, in `_adamw_param`'s
+    order) and the values they were last filled with."""
+
+    tensors: tuple[Tensor, ...]
+    filled: tuple[float, ...] | None = None
+
+    def refresh(self, group: dict) -> None:
+        """Fill the tensors whose value changed (usually the lr alone): fill kernels, not host->device copies."""
+        values = _hyperparameter_values(group)
+        for i, (tensor, value) in enumerate(zip(self.tensors, values)):
+            if self.filled is None or self.filled[i] != value:
+                tensor.fill_(value)
+        self.filled = values
+
+
+# optimizer -> {(group index, device): its _GroupHyperparameters}
 _hyperparameter_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -86,32 +103,24 @@ def _group_hyperparameters(optimizer: torch.optim.Optimizer, index: int, device:
     Tensors, not Python floats: with floats, inductor's cache handed a kernel compiled for one
     optimizer's values to another's (torch 2.11, same process or a later one on the same machine:
     betas (0.9, 0.999) and weight decay 0.01 after (0.9, 0.95) and 0.1 were 3.7e-4 off in 3 steps;
-    its kernel had beta1 baked in; tests/eagle3/training/test_train.py keeps it out)."""
+    the kernel had the first betas baked into `beta ** step`; tests/eagle3/training/test_train.py keeps
+    it out)."""
     groups = _hyperparameter_tensors.setdefault(optimizer, {})
     entry = groups.get((index, device))
     if entry is None:
-        tensors = tuple(torch.empty((), dtype=torch.float32, device=device) for _ in range(8))
-        entry = groups[(index, device)] = [tensors, None]
+        values = _hyperparameter_values(optimizer.param_groups[index])
+        entry = groups[(index, device)] = _GroupHyperparameters(
+            tuple(torch.empty((), dtype=torch.float32, device=device) for _ in values))
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _refresh(entry, optimizer.param_groups[index])
-    return entry[0]
-
-
-def _refresh(entry: list, group: dict) -> None:
-    """Fill the tensors whose value changed (usually the lr alone): fill kernels, not host->device copies."""
-    tensors, filled = entry
-    values = _hyperparameter_values(group)
-    for i, (tensor, value) in enumerate(zip(tensors, values)):
-        if filled is None or filled[i] != value:
-            tensor.fill_(value)
-    entry[1] = values
+        entry.refresh(optimizer.param_groups[index])
+    return entry.tensors
 
 
 def load_hyperparameters(optimizer: torch.optim.Optimizer) -> None:
     """Write each group's current lr (and betas, weight decay, eps) into the tensors a captured
     `adamw_step` reads (before a replay)."""
     for (index, _), entry in _hyperparameter_tensors.get(optimizer, {}).items():
-        _refresh(entry, optimizer.param_groups[index])
+        entry.refresh(optimizer.param_groups[index])
 
 
 def eligible(optimizer: torch.optim.Optimizer) -> bool:

@@ -16,8 +16,9 @@ Capture does not run the step: `__call__` replays right after capturing.
 Risk: a graph replays exactly what the host launched during its capture. A value the host computes
 then (a Python float, a shape, a branch) is frozen: AdamW's learning rate (with its other
 hyperparameters) is therefore a device tensor that `before_replay` refreshes
-(`eagle3.training.adamw.load_hyperparameters`), and the step counters are device tensors already. Nothing in the step may wait for the device (`.item()`, `nonzero`): such a step fails
-its capture, and the run stops with an error naming train.cuda_graphs.
+(`eagle3.training.adamw.load_hyperparameters`), and the step counters are device tensors already.
+Nothing in the step may wait for the device (`.item()`, `nonzero`): such a step fails its capture,
+and the run stops with an error naming train.cuda_graphs.
 """
 
 from __future__ import annotations

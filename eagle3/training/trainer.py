@@ -331,7 +331,8 @@ class Trainer:
         if not (self.cfg.cuda_graphs and self.device.type == "cuda" and self.info.world_size == 1
                 and self.online_features is None and adamw.eligible(self.optimizer)):
             return None
-        return StepGraphs(self._compute_step, before_replay=lambda: adamw.load_hyperparameters(self.optimizer), log=self.log)
+        return StepGraphs(self._compute_step, before_replay=lambda: adamw.load_hyperparameters(self.optimizer),
+                          log=self.log)
 
     def _graph_inputs(self, device_batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """The step's micro-batches, each padded to the step's length bucket (one graph per bucket; padded
