@@ -7,7 +7,9 @@ that every TTT step calls with them. Autograd would give each step its own weigh
 output and then add the K outputs up (K - 1 extra passes over every weight matrix: 2.3 ms of a
 68 ms Llama-3.1-8B step, ~5 ms at Kimi-K2.5's width); here the first backward GEMM writes the
 gradient, the later ones add into it in their epilogue (cuBLAS beta = 1), and the last one hands
-each master parameter its slice, cast to the parameter's dtype by one (compiled) pass. (Summing in
+each master parameter its slice, cast to the parameter's dtype by one (compiled) pass, or, inside a
+step that holds gradients (`eagle3.draft.held_grads`), keeps it in the compute dtype for the
+optimizer to read. The draft's fc joins the unroll's weights the same way (one use, cast once). (Summing in
 fp32 inside the GEMMs instead, cuBLAS reading and writing an fp32 C, removes that cast but was
 measured slower: the fp32-C GEMMs took ~2 ms more than the cast costs on a Llama-3.1-8B step.)
 
@@ -43,6 +45,8 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
+from eagle3.draft.held_grads import GradientHold, active_hold
+
 
 def _upcast(grad: Tensor, dtype: torch.dtype) -> Tensor:
     return grad.to(dtype)
@@ -63,13 +67,23 @@ def uncompile_upcast() -> None:
 
 class WeightGradSlot:
     """One fused weight over an unroll: its master parameters, the compute-dtype copy every step
-    multiplies with, how many uses still owe a backward, and the gradient summed so far."""
+    multiplies with, how many uses still owe a backward, the gradient summed so far, and the hold
+    (eagle3.draft.held_grads) active when it was made, which keeps that sum in the compute dtype."""
 
-    __slots__ = ("masters", "weight", "uses", "grad")
+    __slots__ = ("masters", "weight", "uses", "grad", "hold")
 
     def __init__(self, masters: list[Tensor], dtype: torch.dtype | None) -> None:
         self.masters, self.uses, self.grad = masters, 0, None
         self.weight = compute_copy(masters, dtype)
+        self.hold: GradientHold | None = active_hold()
+
+    def hand_over(self) -> list[Tensor | None]:
+        """Each master's slice of the summed gradient, for autograd: None where the hold keeps it in
+        the compute dtype, else cast to the master's dtype."""
+        parts = self.grad.split([m.shape[0] for m in self.masters])
+        self.grad = None
+        return [None if self.hold is not None and self.hold.offer(m, g) else
+                _upcast_fn(g, m.dtype) if g.dtype != m.dtype else g for g, m in zip(parts, self.masters)]
 
 
 class _PersistentCopy:
@@ -211,9 +225,7 @@ class _AccumulatingLinear(torch.autograd.Function):
                 slot.grad.addmm_(grad_out.T, x)  # accumulated in the GEMM's epilogue, no separate add
             slot.uses -= 1
             if slot.uses == 0:
-                parts = slot.grad.split([m.shape[0] for m in slot.masters])
-                grads = [_upcast_fn(g, m.dtype) if g.dtype != m.dtype else g for g, m in zip(parts, slot.masters)]
-                slot.grad = None
+                grads = slot.hand_over()
         return (grad_x, None, *grads)
 
 
@@ -230,7 +242,8 @@ class FusedLayerWeights:
     """The layer's projection weights for one TTT unroll (compute dtype, fused where the inputs are shared).
 
     qkv [(nh + 2 n_kv) d, 2H] = cat(q_proj, k_proj, v_proj); o [H, nh d]; gate_up [2F, H] =
-    cat(gate_proj, up_proj); down [H, F]. Gradients flow back to the parameters once per unroll.
+    cat(gate_proj, up_proj); down [H, F]; fc [H, k H_t] where given. Gradients flow back to the
+    parameters once per unroll.
     """
 
     slots: dict[str, WeightGradSlot] = field(default_factory=dict)
@@ -246,9 +259,12 @@ class FusedLayerWeights:
         return [name for name, slot in self.slots.items() if slot.uses]
 
 
-def fuse_layer_weights(layer: nn.Module, dtype: torch.dtype | None) -> FusedLayerWeights:
-    """`FusedLayerWeights` of an `Eagle3DecoderLayer`, in `dtype` (None: the parameters' own)."""
+def fuse_layer_weights(layer: nn.Module, dtype: torch.dtype | None, fc: nn.Linear | None = None) -> FusedLayerWeights:
+    """`FusedLayerWeights` of an `Eagle3DecoderLayer` (and the draft's bias-free `fc`, if given), in `dtype`
+    (None: the parameters' own)."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight],
               "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], "down": [mlp.down_proj.weight]}
+    if fc is not None and fc.bias is None:
+        groups["fc"] = [fc.weight]
     return FusedLayerWeights({name: WeightGradSlot(masters, dtype) for name, masters in groups.items()})

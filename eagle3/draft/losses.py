@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from eagle3.draft.fused_layer import compute_copy
+from eagle3.draft.held_grads import active_hold
 
 
 def _teacher_chunk(logits: Tensor, t2d: Tensor, columns: Tensor, softcap: float | None):
@@ -186,13 +187,21 @@ class _GradRows:
         return self.grad_w
 
 
+def _weight_grad(ctx, grad_w: Tensor, grad_loss: Tensor) -> Tensor | None:
+    """The head weight's gradient grad_loss x grad_w for autograd, cast to the weight's dtype; None where
+    the hold active at the forward (eagle3.draft.held_grads) keeps it, scaled, in the compute dtype."""
+    if ctx.hold is not None and ctx.hold.offer(ctx.weight, grad_w, grad_loss.float()):
+        return None
+    return _scaled_cast_fn(grad_w, grad_loss, ctx.weight.dtype)
+
+
 class _SoftCrossEntropySteps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, scales, spec, *hiddens):
         targets, chunk_rows = spec
         ce, correct, grad_hs, grad_w = _run_steps(hiddens, weight, targets, scales, chunk_rows, True)
         ctx.save_for_backward(grad_w, *grad_hs)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight, ctx.hold = weight, active_hold()
         ctx.mark_non_differentiable(ce, correct)
         return (ce * scales).sum(), ce, correct
 
@@ -200,7 +209,7 @@ class _SoftCrossEntropySteps(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_ce, _grad_correct):
         grad_w, *grad_hs = ctx.saved_tensors
         grad_hs = [g * grad_loss.to(g.dtype) for g in grad_hs]
-        return (_scaled_cast_fn(grad_w, grad_loss, ctx.weight_dtype), None, None, *grad_hs)
+        return (_weight_grad(ctx, grad_w, grad_loss), None, None, *grad_hs)
 
 
 def soft_cross_entropy_steps(
@@ -337,7 +346,7 @@ class _SoftCrossEntropyUnroll(torch.autograd.Function):
     def forward(ctx, weight, scales, teacher, *normed):
         ce, correct, grads, grad_w = _run_unroll(normed, weight, teacher, scales, True)
         ctx.save_for_backward(grad_w, *grads)
-        ctx.weight_dtype = weight.dtype
+        ctx.weight, ctx.hold = weight, active_hold()
         ctx.mark_non_differentiable(ce, correct)
         return (ce.flatten() * scales).sum(), ce, correct
 
@@ -345,7 +354,7 @@ class _SoftCrossEntropyUnroll(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_ce, _grad_correct):
         grad_w, *grads = ctx.saved_tensors
         grads = [g * grad_loss.to(g.dtype) for g in grads]
-        return (_scaled_cast_fn(grad_w, grad_loss, ctx.weight_dtype), None, None, *grads)
+        return (_weight_grad(ctx, grad_w, grad_loss), None, None, *grads)
 
 
 def soft_cross_entropy_unroll(

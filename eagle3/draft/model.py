@@ -330,8 +330,8 @@ class Eagle3DraftModel(nn.Module):
 
     # ------------------------------------------------------------------ shared pieces
 
-    def project(self, aux_hidden_states: Tensor) -> Tensor:
-        """[B, T, k*H_t] -> [B, T, H] (fc)."""
+    def project(self, aux_hidden_states: Tensor, weights: FusedLayerWeights | None = None) -> Tensor:
+        """[B, T, k*H_t] -> [B, T, H] (fc; with the unroll's `fused_layer_weights`, its fc copy)."""
         expected = self.fc.in_features
         if aux_hidden_states.shape[-1] != expected:
             raise ValueError(
@@ -339,6 +339,8 @@ class Eagle3DraftModel(nn.Module):
                 f"({self.config.num_aux_hidden_states} x {self.config.target_hidden_size}), "
                 f"found {aux_hidden_states.shape[-1]}"
             )
+        if isinstance(weights, FusedLayerWeights) and "fc" in weights.slots:
+            return weights.linear("fc", aux_hidden_states.to(weights.weight("fc").dtype))
         return self.fc(aux_hidden_states)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
@@ -437,8 +439,8 @@ class Eagle3DraftModel(nn.Module):
         return out, self.norm(out)
 
     def fused_layer_weights(self, dtype: torch.dtype | None) -> FusedLayerWeights:
-        """The layer's weights for one TTT unroll, fused and cast once (see eagle3/draft/fused_layer.py)."""
-        return fuse_layer_weights(self.midlayer, dtype)
+        """The layer's weights and fc's for one TTT unroll, fused and cast once (see eagle3/draft/fused_layer.py)."""
+        return fuse_layer_weights(self.midlayer, dtype, fc=self.fc)
 
     def ttt_step(
         self,

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from eagle3.draft.fused_layer import shadow_of, shadow_written
+from eagle3.draft.held_grads import GradientHold
 
 
 def _adamw_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, lr: Tensor,
@@ -35,7 +36,7 @@ def _adamw_param(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tenso
     The hyperparameters are 0-dim float32 tensors (see `_hyperparameter_values`). `shadow` (the
     parameter's compute-dtype copy, if any) receives the updated parameter, cast."""
     step.add_(1)
-    grad = grad / clip
+    grad = grad.float() / clip  # a bf16 gradient (held, eagle3.draft.held_grads) is read as it is
     param.mul_(decay)
     exp_avg.lerp_(grad, one_minus_beta1)
     exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * grad * grad)
@@ -131,12 +132,14 @@ def eligible(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @torch.no_grad()
-def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor) -> None:
-    """One step of `optimizer` (torch AdamW) with every gradient divided by `clip` (0-dim tensor >= 1)."""
+def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor, hold: GradientHold | None = None) -> None:
+    """One step of `optimizer` (torch AdamW) with every gradient divided by `clip` (0-dim tensor >= 1); a
+    parameter's gradient is its `.grad`, or what `hold` keeps for it (taken from the hold)."""
     for index, group in enumerate(optimizer.param_groups):
         hyperparameters = None
         for param in group["params"]:
-            if param.grad is None:
+            grad, divisor = _gradient(param, hold, clip)
+            if grad is None:
                 continue
             state = optimizer.state[param]
             if not state:  # as torch's fused AdamW initialises it
@@ -146,8 +149,16 @@ def adamw_step(optimizer: torch.optim.AdamW, clip: Tensor) -> None:
             if hyperparameters is None or hyperparameters[0].device != param.device:
                 hyperparameters = _group_hyperparameters(optimizer, index, param.device)
             shadow = shadow_of(param)
-            _adamw_fn(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hyperparameters,
-                      clip.to(param.device), shadow)
+            _adamw_fn(param, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], *hyperparameters,
+                      divisor.to(param.device), shadow)
             if shadow is not None:
                 shadow_written(param)
     optimizer._opt_called = True  # what torch's step wrapper records for the LR scheduler's order check
+
+
+def _gradient(param: Tensor, hold: GradientHold | None, clip: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(gradient, what to divide it by): the held value over clip / its scale, else `.grad` over clip."""
+    held = hold.pop(param) if hold is not None else None
+    if held is None:
+        return param.grad, clip
+    return held.value, clip if held.scale is None else clip / held.scale

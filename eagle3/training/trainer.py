@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from eagle3.config import TrainConfig
 from eagle3.data.state_codec import decode_aux
+from eagle3.draft.held_grads import GradientHold, hold_gradients, total_norm
 from eagle3.draft.losses import compile_loss_chunk, compute_teacher
 from eagle3.draft.model import Eagle3DraftModel
 from eagle3.training import adamw
@@ -55,23 +56,32 @@ RESUMABLE_FIELDS = {"checkpoint_every", "eval_every", "log_every", "keep_checkpo
                     "eval_max_batches", "rendezvous", "stall_timeout_s", "cuda_graphs", "cuda_graph_bucket"}
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float) -> Tensor:
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float,
+                  hold: GradientHold | None = None) -> Tensor:
     """Global-norm gradient clipping + optimizer step; returns the pre-clip norm.
 
     A fused (Adam/AdamW) optimizer divides the gradients by its `grad_scale` inside its own
     kernel (the GradScaler protocol), so the clip factor is handed to it there instead of
     rescaling every gradient in a separate pass (or to `eagle3.training.adamw`'s compiled update,
     once `compile_adamw()` was called); other optimizers (and DTensor gradients under FSDP) use
-    clip_grad_norm_.
+    clip_grad_norm_. Gradients `hold` keeps in the compute dtype (eagle3.draft.held_grads) are read
+    there by the norm and the compiled update; any other optimizer gets them in `.grad` first.
     """
     fused = all(group.get("fused") for group in optimizer.param_groups)
+    if hold is not None and len(hold) and not (fused and adamw.eligible(optimizer)):
+        hold.release()
+    if hold is not None and len(hold):
+        gradients = hold.gradients(params)
+        norm = total_norm(gradients)
+        adamw.adamw_step(optimizer, _clip_coefficient(norm, max_norm), hold)
+        return norm
     grads = [p.grad for p in params if p.grad is not None]
     if not fused or any(hasattr(g, "full_tensor") for g in grads):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         return norm
     norm = torch.nn.utils.get_total_norm(grads)
-    coefficient = torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_'s coefficient
+    coefficient = _clip_coefficient(norm, max_norm)
     if adamw.eligible(optimizer) and grads and grads[0].is_cuda:  # the compiled one-pass update (adamw.py)
         adamw.adamw_step(optimizer, coefficient)
         return norm
@@ -81,6 +91,10 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
     finally:
         del optimizer.grad_scale
     return norm
+
+
+def _clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    return torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_'s coefficient
 
 
 def quiet_when_the_trainer_is_gone(worker_id: int) -> None:
@@ -163,6 +177,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, build_lr_lambda(self.total_steps, cfg.warmup_ratio, cfg.min_lr_ratio)
         )
+        # the compiled AdamW reads the bf16 weight-gradient sums as they are (eagle3.draft.held_grads); DDP
+        # and FSDP reduce `.grad`, so they get it as before
+        self.holds_gradients = self.info.world_size == 1 and adamw.eligible(self.optimizer)
         self.step_graphs = self._step_graphs()
         self.step, self.tokens_seen, self.history = 0, 0, []
         self.ckpt_root = self.out_dir / "checkpoints"
@@ -311,16 +328,17 @@ class Trainer:
         stats = torch.zeros(STAT_ROWS, self.cfg.ttt_steps, device=self.device)
         prepared = [self._prepare(batch) for batch in device_batches]
         loss_norm = self._step_loss_norm(prepared)
-        for i, inputs in enumerate(prepared):
-            last = i == len(prepared) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
-            with sync:
-                with self._autocast():
-                    loss, batch_stats = self.model(**inputs, loss_norm=loss_norm)
-                loss.backward()
-            prepared[i] = None  # free this micro-batch's teacher before the next forward
-            stats += batch_stats
-        grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip)
+        with hold_gradients(self.holds_gradients) as hold:
+            for i, inputs in enumerate(prepared):
+                last = i == len(prepared) - 1
+                sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+                with sync:
+                    with self._autocast():
+                        loss, batch_stats = self.model(**inputs, loss_norm=loss_norm)
+                    loss.backward()
+                prepared[i] = None  # free this micro-batch's teacher before the next forward
+                stats += batch_stats
+            grad_norm = clip_and_step(self.optimizer, self.params, self.cfg.grad_clip, hold)
         self.optimizer.zero_grad(set_to_none=True)
         return stats, grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
 

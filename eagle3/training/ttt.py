@@ -66,10 +66,10 @@ class Eagle3TTTModule(nn.Module):
         if t < 2:
             raise ValueError(f"input_ids: TTT needs sequences of at least 2 tokens, found length {t}")
         device_type = input_ids.device.type
-        # the layer's weights fused and cast once per unroll; each one's gradient is summed in its GEMMs
+        # the layer's weights (and fc's) fused and cast once per unroll; each one's gradient is summed in its GEMMs
         weights = draft.fused_layer_weights(torch.get_autocast_dtype(device_type)
                                             if torch.is_autocast_enabled(device_type) else None)
-        hidden = draft.project(aux_hidden_states)  # [B, T, H]
+        hidden = draft.project(aux_hidden_states, weights)  # [B, T, H]
         positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
         counted_all = loss_mask & in_vocab
         cache, normed_steps, counts, masked = TTTCache(), [], [], []

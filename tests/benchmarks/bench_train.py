@@ -16,6 +16,8 @@ Variants (same initial weights, same batch, fresh AdamW each):
   fast_compiled_prev  fast_compiled as it was before the persistent weight copies and the one-kernel loss
                   over all TTT steps (every weight cast each unroll, a loss kernel per step)
   fast_compiled_nopersist / _steploss  fast_compiled without one of those two
+  fast_compiled_nohold (and _graphed_nohold)  fast_compiled with the weight-gradient sums cast into fp32 .grad for the clip and
+                  AdamW instead of read by them in bf16 (eagle3.draft.held_grads)
   fast_compiled_graphed  fast_compiled with the whole step (teacher, forward, backward, clip, AdamW)
                   replayed as one CUDA graph after two eager steps (eagle3.training.step_graphs)
   fast_compiled_bN  fast_compiled at batch N (e.g. fast_compiled_b2); `--max-batch` also tries the
@@ -62,6 +64,7 @@ import eagle3.draft.fused_layer as fused_layer  # noqa: E402
 import eagle3.draft.losses as losses  # noqa: E402
 import eagle3.draft.model as model_mod  # noqa: E402
 from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.draft.held_grads import hold_gradients  # noqa: E402
 from eagle3.draft.losses import compute_teacher  # noqa: E402
 from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
 from eagle3.training.train import train_draft  # noqa: E402
@@ -87,7 +90,7 @@ TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_ke
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
 EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused",  # only when named
                   "fast_compiled_prev", "fast_compiled_nopersist", "fast_compiled_steploss",
-                  "fast_compiled_graphed")
+                  "fast_compiled_graphed", "fast_compiled_nohold", "fast_compiled_graphed_nohold")
 # mode -> (devices, strategy); node-* go through `python -m eagle3.torchrun`, the launcher train.nodes
 # starts on every node (one node here, static rendezvous on 127.0.0.1)
 LOOP_MODES = {"single": (1, "ddp"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp"), "node": (1, "ddp"),
@@ -200,6 +203,8 @@ def fast_loss(module: Eagle3TTTModule, data: dict, lm_head, chunk: int):
 
 
 def reset_compiled(draft: Eagle3DraftModel) -> None:
+    global _hold_gradients
+    _hold_gradients = True
     draft.uncompile_layer()
     losses.uncompile_loss_chunk()
     adamw.uncompile_adamw()
@@ -216,6 +221,7 @@ def variant_batch(variant: str, default: int) -> int:
 
 
 def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, device):
+    global _hold_gradients
     reset_compiled(draft)
     compiled = "compiled" in variant
     if variant.startswith("dense"):
@@ -230,6 +236,8 @@ def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, devic
         model_mod.set_causal_attention_backend("flash")
     if variant.endswith("_unfused"):  # the earlier layer path: per-projection weights, autograd's grad sums
         draft.fused_layer_weights = lambda dtype: draft.cast_layer_weights(dtype) if dtype else None
+    if variant.endswith(("_unfused", "_prev", "_nohold")):
+        _hold_gradients = False
     if variant.endswith(("_unfused", "_prev", "_nopersist")):
         fused_layer.set_persistent_copies(False)
     if variant.endswith(("_unfused", "_prev", "_steploss")):
@@ -238,12 +246,17 @@ def make_loss_fn(variant: str, draft, lm_head, data, ttt: int, chunk: int, devic
     return lambda: fast_loss(module, data, lm_head, chunk)
 
 
+_hold_gradients = True  # False: the weight-gradient sums go to fp32 .grad (variant *_nohold)
+
+
 def train_step(loss_fn, optimizer, params, device, autocast_dtype):
     ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(device.type, enabled=False)
-    with ctx:
-        loss = loss_fn()
-    loss.backward()
-    grad_norm = clip_and_step(optimizer, params, 0.5)  # the trainer's clip (folded into fused AdamW) + step
+    # as the trainer: the compiled AdamW reads the bf16 gradient sums where they are (eagle3.draft.held_grads)
+    with hold_gradients(_hold_gradients and adamw.eligible(optimizer)) as hold:
+        with ctx:
+            loss = loss_fn()
+        loss.backward()
+        grad_norm = clip_and_step(optimizer, params, 0.5, hold)  # the trainer's clip (folded into AdamW) + step
     optimizer.zero_grad(set_to_none=True)
     return loss.detach(), grad_norm
 
@@ -274,7 +287,7 @@ def run_variant(variant, args, draft, lm_head, data, init_state, device, autocas
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     loss_fn = make_loss_fn(variant, draft, lm_head, data, args.ttt, args.chunk, device)
-    step = graphed_train_step() if variant.endswith("_graphed") else train_step
+    step = graphed_train_step() if "_graphed" in variant else train_step
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

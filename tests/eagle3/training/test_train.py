@@ -677,6 +677,88 @@ def test_adamw_writes_the_persistent_weight_copy_and_a_changed_master_is_cast_ag
             fused_layer._shadows.pop(m, None)
 
 
+HELD = {"fc.weight", "lm_head.weight", "midlayer.mlp.down_proj.weight", "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.o_proj.weight",
+        "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.v_proj.weight"}
+
+
+def _bf16_unroll(embed, lm_head, mapping, micro_batches: int = 1, loss_scale: float = 3.0):
+    """A draft and the bf16 (CPU autocast) TTT backward of `micro_batches` batches, each loss x loss_scale
+    (the head's gradient then arrives with that scale)."""
+    from eagle3.training.schedule import default_collate_fn
+
+    draft = make_draft(embed, mapping)
+    module = Eagle3TTTModule(draft, train_config(ttt_steps=3))
+    for seed in range(micro_batches):
+        batch = default_collate_fn(make_items(4, 3 + seed, embed, t_max=24))
+        p, ids, in_vocab = compute_teacher(batch["last_hidden_states"], lm_head, draft.t2d)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(), p, ids,
+                             in_vocab)
+        (loss * loss_scale).backward()
+    return draft
+
+
+def test_held_gradients_are_the_bf16_sums_that_autograd_would_have_upcast():
+    """Inside `hold_gradients` the big weights' gradients stay the bf16 sums their GEMMs produced (the head's
+    with the loss's incoming gradient as a scale) and `.grad` stays empty; given to `.grad` (on leaving the
+    hold) they are exactly what autograd's upcast gives without a hold. With two micro-batches in one hold
+    the second arrival sends both to `.grad`, where they add up as without it."""
+    from eagle3.draft.held_grads import hold_gradients
+
+    embed, lm_head, mapping = make_world()
+    plain = _bf16_unroll(embed, lm_head, mapping)
+    with hold_gradients() as hold:
+        held = _bf16_unroll(embed, lm_head, mapping)
+        params = dict(held.named_parameters())
+        assert {n for n, q in params.items() if q in hold} == HELD
+        for name in HELD:
+            assert params[name].grad is None and hold.gradients([params[name]])[0][0].dtype == torch.bfloat16, name
+        assert float(hold.gradients([params["lm_head.weight"]])[0][1]) == 3.0
+        assert all(q.grad is not None for n, q in params.items() if q.requires_grad and n not in HELD)
+    assert len(hold) == 0  # released on leaving
+    for (name, want), got in zip(plain.named_parameters(), held.parameters()):
+        if want.requires_grad:
+            assert torch.equal(got.grad, want.grad), name
+
+    plain = _bf16_unroll(embed, lm_head, mapping, micro_batches=2)
+    with hold_gradients() as hold:
+        held = _bf16_unroll(embed, lm_head, mapping, micro_batches=2)
+        assert len(hold) == 0  # each weight's second gradient sent the first to .grad
+    for (name, want), got in zip(plain.named_parameters(), held.parameters()):
+        if want.requires_grad:
+            assert torch.equal(got.grad, want.grad), name
+
+
+def test_clip_and_step_on_held_bf16_gradients_equals_torchs_adamw_on_their_fp32_grad(monkeypatch):
+    """The clip's norm and the compiled AdamW's update (run eagerly here) read the held bf16 sums and the
+    head's scale; torch's fused AdamW reads the fp32 `.grad` autograd made of the same sums: the same norm,
+    the same clipped step, and nothing left held. The moments are compared too: AdamW's first update is
+    ~lr x sign(g), blind to the gradient's scale."""
+    from eagle3.draft.held_grads import hold_gradients
+    from eagle3.training import adamw
+    from eagle3.training.trainer import clip_and_step
+
+    monkeypatch.setattr(adamw, "_enabled", True)  # eligible: the update as the trainer runs it on CUDA
+    embed, lm_head, mapping = make_world()
+    results = []
+    for hold_them in (True, False):
+        with hold_gradients(hold_them) as hold:
+            draft = _bf16_unroll(embed, lm_head, mapping)
+            params = [q for q in draft.parameters() if q.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+            assert adamw.eligible(opt)
+            norm = clip_and_step(opt, params, 0.05, hold)
+            assert hold is None or len(hold) == 0
+        results.append((float(norm), [t.detach().clone() for q in params
+                                      for t in (q, opt.state[q]["exp_avg"], opt.state[q]["exp_avg_sq"])]))
+    (norm_held, after_held), (norm_fp32, after_fp32) = results
+    assert norm_fp32 > 0.05  # the clip is active
+    assert norm_held == pytest.approx(norm_fp32, rel=1e-6)
+    for i, (got, want) in enumerate(zip(after_held, after_fp32)):  # weight, moment 1, moment 2 per parameter
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7 if i % 3 == 0 else 1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
@@ -687,8 +769,10 @@ def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
     10.58). Each copy holds its updated master cast to bf16 at the end. Not bit for bit: step 1's loss
     differed in the 6th digit (10.995489 vs 10.995474; AdamW compiled with and without the copy's store
     presumably rounds a few weights differently). A copy one update stale moves the loss by the whole
-    step (~4% here), far outside the bound."""
+    step (~4% here), far outside the bound. The compiled AdamW also runs once more reading the held bf16
+    gradient sums (eagle3.draft.held_grads), as the trainer does: the same losses and grad norms."""
     import eagle3.draft.fused_layer as fused_layer
+    from eagle3.draft.held_grads import hold_gradients
     from eagle3.training import adamw
     from eagle3.training.schedule import default_collate_fn
     from eagle3.training.trainer import clip_and_step
@@ -696,7 +780,7 @@ def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
     embed, lm_head, mapping = make_world()
     batch = {k: v.cuda() for k, v in default_collate_fn(make_items(4, 3, embed, t_max=64)).items()}
 
-    def three_steps(persistent: bool) -> tuple[list[float], int]:
+    def three_steps(persistent: bool, hold: bool = False) -> tuple[list[float], int]:  # [loss, norm] x 3
         fused_layer.set_persistent_copies(persistent)
         draft = make_draft(embed, mapping).cuda()
         params = [q for q in draft.parameters() if q.requires_grad]
@@ -705,13 +789,15 @@ def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
         p, ids, in_vocab = compute_teacher(batch["last_hidden_states"], lm_head.cuda(), draft.t2d)
         losses = []
         for _ in range(3):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(),
-                                 p, ids, in_vocab)
-            loss.backward()
-            clip_and_step(opt, params, 0.5)
+            with hold_gradients(hold) as held:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss, _ = module(batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"].bool(),
+                                     p, ids, in_vocab)
+                loss.backward()
+                assert held is None or len(held) == 9
+                norm = clip_and_step(opt, params, 0.5, held)
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses += [loss.item(), norm.item()]
         for copy in {id(c): c for q in params if (c := fused_layer._shadows.get(q)) is not None}.values():
             copy.refresh([ref() for ref in copy.refs])  # as the next unroll would
         shadows = [(fused_layer.shadow_of(q), q) for q in params if fused_layer.shadow_of(q) is not None]
@@ -723,9 +809,13 @@ def test_training_steps_on_cuda_are_the_same_with_persistent_weight_copies():
         for compiled in (True, False):
             (adamw.compile_adamw if compiled else adamw.uncompile_adamw)()
             (losses_p, shadowed), (losses_c, none) = three_steps(True), three_steps(False)
-            assert (shadowed, none) == (8, 0)  # q, k, v, o, gate, up, down, lm_head (fc: autocast; norms: as they are)
-            assert losses_p[0] == losses_c[0], compiled  # the first unroll casts in both
+            assert (shadowed, none) == (9, 0)  # fc, q, k, v, o, gate, up, down, lm_head (norms: as they are)
+            assert losses_p[:2] == losses_c[:2], compiled  # the first unroll casts in both (loss, grad norm)
             assert losses_p == pytest.approx(losses_c, rel=1e-4), compiled
+            if compiled:  # the trainer's path: AdamW and the clip read the bf16 gradient sums
+                losses_h, _ = three_steps(True, hold=True)
+                assert losses_h[:2] == pytest.approx(losses_p[:2], rel=1e-6)
+                assert losses_h == pytest.approx(losses_p, rel=1e-4)
     finally:
         adamw.uncompile_adamw()
         fused_layer.set_persistent_copies(True)
@@ -950,12 +1040,13 @@ FSDP_SCRIPT = textwrap.dedent(
                        checkpoint_every=2)
     trainer = Trainer(make_draft(embed, mapping), lm_head, cfg, make_items(24, 1, embed), make_items(8, 2, embed),
                       out, log=lambda s: None)
-    gathered = {}
-    trainer.draft.fc.register_forward_pre_hook(lambda m, a: gathered.update(fc=str(m.weight.dtype)) and None)
-    inputs = {}
-    trainer.module.register_forward_pre_hook(  # runs after FSDP's own pre-forward (registered first)
-        lambda m, a, kw: inputs.update({k: str(kw[k].dtype) for k in ("target_p", "loss_norm") if k in kw}) and None,
-        with_kwargs=True)
+    gathered, inputs = {}, {}
+
+    def record(module, args, kwargs):  # runs after FSDP's own pre-forward (registered first): gathered weights
+        gathered.update(fc=str(module.draft.fc.weight.dtype))
+        inputs.update({k: str(kwargs[k].dtype) for k in ("target_p", "loss_norm") if k in kwargs})
+
+    trainer.module.register_forward_pre_hook(record, with_kwargs=True)
     shards = {n: [p.to_local().numel() if hasattr(p, "to_local") else None, p.numel(), p.requires_grad]
               for n, p in trainer.module.named_parameters()}
     trainer.train()
