@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from eagle3.draft.masks import build_causal_mask, build_ttt_attention_mask
 from eagle3.draft.fused_layer import FusedLayerWeights, compile_upcast, fuse_layer_weights, uncompile_upcast
+from eagle3.draft.silu_mul import compile_silu_mul, silu_mul, uncompile_silu_mul
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
@@ -477,7 +478,8 @@ class Eagle3DraftModel(nn.Module):
         """`ttt_step` as GEMMs (eager, `FusedLayerWeights.linear`) between compiled elementwise pieces.
 
         The GEMMs stay outside the compiled graphs so that each weight's gradient over the unroll
-        is summed inside its backward GEMMs instead of by autograd's adds."""
+        is summed inside its backward GEMMs instead of by autograd's adds. A SiLU MLP's activation is
+        `silu_mul` (its backward stores d gate and d up in one pass)."""
         b, t, _ = hidden_states.shape
         pieces = self._pieces
         x = pieces["input"](input_ids, hidden_states)  # [B, T, 2H]
@@ -486,7 +488,8 @@ class Eagle3DraftModel(nn.Module):
         attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)  # [B, nh, T, d]
         attn_out = weights.linear("o", attn.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
         residual, normed_r = pieces["post_attention"](hidden_states, attn_out)
-        mlp_in = pieces["act"](weights.linear("gate_up", normed_r))  # [B, T, F]
+        gate_up = weights.linear("gate_up", normed_r)  # [B, T, 2F]
+        mlp_in = silu_mul(gate_up) if self.midlayer.mlp.act is F.silu else pieces["act"](gate_up)  # [B, T, F]
         return pieces["final"](residual, weights.linear("down", mlp_in))
 
     # the fused step's elementwise pieces (compiled by compile_layer)
@@ -527,12 +530,14 @@ class Eagle3DraftModel(nn.Module):
         self._finish_fn = torch.compile(self._ttt_finish, **compile_kwargs)
         self._pieces = {name: torch.compile(fn, **compile_kwargs) for name, fn in self._fused_pieces().items()}
         compile_upcast(**compile_kwargs)
+        compile_silu_mul(**compile_kwargs)
         compile_ttt_attention(**compile_kwargs)
 
     def uncompile_layer(self) -> None:
         """Back to the eager layer and attention merge (benchmarks compare both)."""
         self._qkv_fn, self._finish_fn, self._pieces = self._ttt_qkv, self._ttt_finish, self._fused_pieces()
         uncompile_upcast()
+        uncompile_silu_mul()
         uncompile_ttt_attention()
 
 
