@@ -49,8 +49,14 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def stop_group(pid: int, first: int = signal.SIGTERM, grace_s: float = 15) -> None:
-    """Signal a process group, then SIGINT (a Prefect worker needs a second signal), then SIGKILL."""
+def stop_group(pid: int, first: int = signal.SIGTERM, grace_s: float = 15,
+               leader: subprocess.Popen | None = None) -> None:
+    """Signal a process group, then SIGINT (a Prefect worker needs a second signal), then SIGKILL.
+
+    `leader`: the group's leader when it is this process's child. It is reaped while waiting: an exited
+    but unreaped leader is a zombie that still counts as the group (kill(-pgid, 0) succeeds), so without
+    this every signal's grace was waited out in full after the process had already stopped.
+    """
     for sig in (first, signal.SIGINT, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
@@ -58,6 +64,8 @@ def stop_group(pid: int, first: int = signal.SIGTERM, grace_s: float = 15) -> No
             return
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
+            if leader is not None:
+                leader.poll()
             try:
                 os.killpg(pid, 0)
             except ProcessLookupError:
@@ -132,7 +140,7 @@ def cpu_worker(team_servers, deployed, tmp_path_factory):
     try:
         yield log_path
     finally:
-        stop_group(worker.pid, grace_s=5)  # the first signal only asks; the second stops it
+        stop_group(worker.pid, grace_s=5, leader=worker)  # the first signal only asks; the second stops it
 
 
 def wait_for_run(api: str, run_id: str, worker_log: Path, timeout_s: float = 300) -> dict:
