@@ -53,6 +53,7 @@ from tasks.launch import (
     predict,
     settings_findings,
 )
+from tasks.host_job import poll_delay
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, connect
 from tasks.served import ServedModel, launch_paths, read_served_model, reported_paths
@@ -381,7 +382,8 @@ def _open_tunnel(run_dir: Path, handle: ServerHandle, executor: Executor) -> int
 
 def wait_healthy(executor: Executor, handle: ServerHandle, timeout_s: float) -> dict:
     """Poll /health_generate until 200; fail fast with the log tail if the process exits."""
-    deadline, shown = time.monotonic() + timeout_s, 0
+    started, shown = time.monotonic(), 0
+    deadline = started + timeout_s
     with httpx.Client(timeout=10.0) as client:
         while time.monotonic() < deadline:
             if not executor.is_alive(handle.pid):
@@ -391,7 +393,7 @@ def wait_healthy(executor: Executor, handle: ServerHandle, timeout_s: float) -> 
                 if client.get(f"{handle.local_url}/health_generate").status_code == 200:
                     return client.get(f"{handle.local_url}/server_info").json()
             shown = _relay_log(executor, handle, shown)
-            time.sleep(1.0)
+            time.sleep(poll_delay(started, 1.0))
     raise ServerFailed(f"{handle.label}: not healthy within deploy.startup_timeout_s={timeout_s:.0f}s; last "
                        f"{LOG_TAIL_LINES} log lines:\n{log_tail(executor, handle)}")
 

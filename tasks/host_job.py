@@ -27,6 +27,15 @@ from tasks.remote import CommandFailed, Executor, RemoteError
 
 POLL_S = 1.0
 TAIL_LINES = 30
+# The first FAST_FOR_S of a watch is polled every FAST_POLL_S: a job, server start or training of a few
+# seconds is seen ending when it ends, not up to POLL_S later; a long one is then polled every POLL_S.
+FAST_POLL_S = 0.25
+FAST_FOR_S = 30.0
+
+
+def poll_delay(started: float, slow_s: float) -> float:
+    """Seconds to wait before the next poll of a watch that began at `started` (time.monotonic())."""
+    return min(FAST_POLL_S, slow_s) if time.monotonic() - started < FAST_FOR_S else slow_s
 
 
 class HostJobFailed(RuntimeError):
@@ -69,9 +78,10 @@ class HostJob:
         the job ends without `done` (its `error` event, if any, leads the message).
         """
         self.start(argv, env=env)
+        started = time.monotonic()
         try:
             while self.poll(on_event, on_line):
-                time.sleep(POLL_S)
+                time.sleep(poll_delay(started, POLL_S))
         finally:
             self.stop()
         return self.result()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from eagle3.training.streaming.layout import STREAM_DIR, plan_stream
 from tasks.config import ExperimentConfig
-from tasks.host_job import HostJob, HostJobFailed
+from tasks.host_job import HostJob, HostJobFailed, poll_delay
 from tasks.pipeline import StageContext, logger
 from tasks.remote import Executor
 
@@ -74,12 +74,13 @@ class CaptureSide:
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> dict:
         """After training: the capture side's summary, once it has seen the last progress and deleted the rest."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while self.poll():
             if time.monotonic() > deadline:
                 raise HostJobFailed(f"the stream's capture side on {self.host} did not finish within {timeout_s:.0f} s "
                                     "after training ended")
-            time.sleep(1.0)
+            time.sleep(poll_delay(started, 1.0))
         return self.job.result()["summary"]
 
     def stop(self) -> None:

@@ -40,7 +40,7 @@ from eagle3.training.schedule import DataPlan, planned_steps
 from eagle3.training.torchrun import NODE_STATUS
 from eagle3.training.train import relay_history_rows
 from tasks.config import ExperimentConfig
-from tasks.host_job import new_log_lines
+from tasks.host_job import new_log_lines, poll_delay
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, LocalExecutor, RemoteError, connect
 from tasks.stream import CaptureSide, StreamPlace, capture_side
@@ -296,8 +296,9 @@ def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total
     metrics = _MetricsRelay(nodes[0], relay)
     running = {node.rank for node in nodes}
     last_output = {node.rank: time.monotonic() for node in nodes}
+    started = time.monotonic()
     while running:
-        time.sleep(POLL_S)
+        time.sleep(poll_delay(started, POLL_S))
         now = time.monotonic()
         for node in nodes:
             if _relay_log(node):
