@@ -7,6 +7,7 @@ server (`sshd`, tests/sshd.py) are session-scoped and started only by tests that
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import tempfile
@@ -32,6 +33,16 @@ os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Collecting imports torch, transformers, Prefect and MLflow: a million long-lived objects that every full
+# collection would walk again, here and for the rest of the session. No collection while they load, and
+# once loaded they are frozen (gc.freeze: kept out of every later collection).
+gc.disable()
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):
