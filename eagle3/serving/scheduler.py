@@ -144,6 +144,7 @@ class Scheduler(threading.Thread):
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.on_load_error = lambda: None  # set by main(): stops the HTTP server
+        self.on_loaded = lambda: None  # set by main(): the command's garbage collection back on
         self.engine: SpeculativeEngine | None = None
         self.tokenizer = None
         self._waiting: collections.deque[ServeRequest] = collections.deque()
@@ -198,6 +199,7 @@ class Scheduler(threading.Thread):
             logger.error(f"Failed to load the model: {self.load_error}")
             self.on_load_error()
             return
+        self.on_loaded()
         self.ready.set()
         logger.info(READY_MESSAGE)
         while True:

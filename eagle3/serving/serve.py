@@ -8,6 +8,7 @@ pipeline deploy and benchmark against a real process on a machine without a GPU.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -38,6 +39,12 @@ def log_ignored_flags(ns) -> None:
             logger.info(f"Ignoring --{name.replace('_', '-')}={value}: eagle3.serve runs on CPU without it.")
 
 
+def collect_from_now_on() -> None:
+    """The model loaded: what the start allocated is frozen (gc.freeze, never walked again), collection back on."""
+    gc.freeze()
+    gc.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_arg_parser(prog="eagle3.serve")
@@ -64,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))
     scheduler.on_load_error = lambda: setattr(server, "should_exit", True)
+    if not gc.isenabled():  # `python -m eagle3.serve` loads without garbage collection (eagle3/serve.py)
+        scheduler.on_loaded = collect_from_now_on
     scheduler.start()
     try:
         server.run()
