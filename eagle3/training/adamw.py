@@ -10,6 +10,10 @@ Where the draft keeps a persistent compute-dtype copy of a parameter (`eagle3.dr
 shadow_of`), the same kernel also writes the updated parameter, cast, into that copy's rows: 2 B more
 written per parameter instead of the next unroll's cast pass (read 4 B, write 2 B).
 
+Inside a step that holds gradients (`eagle3.draft.held_grads`), a fused weight's gradient never
+becomes an fp32 `.grad`: the kernel reads the held bf16 sum as it is (2 B instead of an upcast pass
+writing 4 B and the update reading them), divided by the clip coefficient over the hold's scale.
+
 Risk: the math must stay torch's AdamW (decoupled weight decay, bias corrections after the step
 increment, the clip coefficient dividing the gradient as fused AdamW's `grad_scale` does);
 tests/eagle3/training/test_train.py compares it with torch's fused step.
