@@ -45,6 +45,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3.environment import Facts, Needs, evaluate, overall_status
 from eagle3.export import TRAINING_RECORD, Problem, check_serving_wiring
 from tasks.config import ExperimentConfig, HostConfig, SpeculativeConfig
+from tasks.host_job import poll_delay
 from tasks.launch import (
     SERVER_MODULES,
     Finding,
@@ -53,7 +54,6 @@ from tasks.launch import (
     predict,
     settings_findings,
 )
-from tasks.host_job import poll_delay
 from tasks.pipeline import StageContext, logger
 from tasks.remote import CommandFailed, Executor, connect
 from tasks.served import ServedModel, launch_paths, read_served_model, reported_paths
