@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def torchrun_command(data_dir: Path, target_dir: Path, config_file: Path, out_di
 
 
 NODE_STATUS = "node_status.json"
-TORCHRUN_TAIL_LINES = 200  # of torchrun's output kept for its "Root Cause" block
+TORCHRUN_TAIL_LINES = 2000  # of torchrun's output kept for its failure report (tracebacks included)
 
 
 def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path, aux_layer_ids: list[int],
@@ -115,10 +116,9 @@ def describe_rank_failures(log_dir: Path, torchrun_output: Sequence[str] = ()) -
 
     A rank that raised leaves `<rank>/error.json` (eagle3.training.train.main is `@record`ed); a rank
     killed by a signal (SIGKILL, the OOM killer) leaves none, and the others then raise only
-    because they lost their peer (gloo: "Connection closed by peer"). torchrun's own "Root Cause"
-    block in `torchrun_output` names the first rank that failed: a silent one is reported first,
-    with its exit code. Otherwise raising ranks are listed by when they failed. Without any error
-    file, every rank's stderr tail is shown.
+    because they lost their peer (gloo: "Connection reset by peer"). The rank `first_failure`
+    finds in torchrun's failure report is reported first, with its exit code. Otherwise raising
+    ranks are listed by when they failed. Without any error file, every rank's stderr tail is shown.
     """
     attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda p: p.stat().st_mtime_ns)
     if not attempts:
@@ -126,7 +126,7 @@ def describe_rank_failures(log_dir: Path, torchrun_output: Sequence[str] = ()) -
     ranks = sorted((p for p in attempts[-1].iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     raised = sorted((r for r in ranks if (r / "error.json").is_file()),
                     key=lambda r: (r / "error.json").stat().st_mtime_ns)
-    cause = root_cause(torchrun_output)
+    cause = first_failure(torchrun_output)
     parts = [_rank_report(r, f"died first: {cause['how']}") for r in ranks
              if cause and r.name == cause["rank"] and r not in raised]
     for n, rank_dir in enumerate(raised):
@@ -137,23 +137,46 @@ def describe_rank_failures(log_dir: Path, torchrun_output: Sequence[str] = ()) -
     return "\n".join(parts)
 
 
-def root_cause(torchrun_output: Sequence[str]) -> dict[str, str] | None:
-    """rank and how it ended, from the "Root Cause (first observed failure)" block torchrun prints."""
+def first_failure(torchrun_output: Sequence[str]) -> dict[str, str] | None:
+    """The rank that failed first and how it ended, from the failure report torchrun prints.
+
+    A rank killed by a signal without leaving an error file (SIGKILL, the OOM killer) wins over
+    torchrun's own "Root Cause (first observed failure)": torchrun orders failures by whole-second
+    timestamps, and a killed rank's is the moment torchrun noticed it, so a peer that raised
+    "Connection reset by peer" within the same second is named instead of the rank whose death it
+    reports. SIGTERM does not count: it is what torchrun sends the ranks still running when it
+    stops the others, and it lists them as failures too.
+    """
+    failures = torchrun_failures(torchrun_output)
+    killed = [f for f in failures if f["exitcode"].startswith("-") and f["exitcode"] != f"-{signal.SIGTERM.value}"
+              and f["error_file"] in ("", "<N/A>")]
+    chosen = killed[0] if killed else next((f for f in failures if f["root"]), None)
+    if chosen is None:
+        return None
+    how = f"exit code {chosen['exitcode'] or '?'}"
+    if chosen["traceback"].startswith("Signal"):
+        how += f" ({chosen['traceback']})"
+    return {"rank": chosen["rank"], "how": how}
+
+
+def torchrun_failures(torchrun_output: Sequence[str]) -> list[dict]:
+    """Every failure entry of torchrun's last failure report: rank, exitcode, error_file, traceback's
+    first line, and whether it is the "Root Cause" entry."""
     lines = list(torchrun_output)
-    starts = [i for i, line in enumerate(lines) if "Root Cause (first observed failure)" in line]
-    if not starts:
-        return None
-    fields = {}
-    for line in lines[starts[-1] + 1:starts[-1] + 12]:
+    reports = [i for i, line in enumerate(lines) if "Failures:" == line.strip()]
+    failures: list[dict] = []
+    in_root = False
+    for line in lines[reports[-1] if reports else 0:]:
+        if "Root Cause (first observed failure)" in line:
+            in_root = True
         key, sep, value = line.partition(":")
-        if sep and key.strip() in ("rank", "exitcode", "traceback"):
-            fields[key.strip()] = value.strip()
-    if "rank" not in fields:
-        return None
-    how = f"exit code {fields.get('exitcode', '?').split()[0]}"
-    if fields.get("traceback", "").startswith("Signal"):
-        how += f" ({fields['traceback']})"
-    return {"rank": fields["rank"].split()[0], "how": how}
+        key, value = key.strip(), value.strip()
+        if sep and key == "rank" and value[:1].isdigit():
+            failures.append({"rank": value.split()[0], "exitcode": "", "error_file": "", "traceback": "",
+                             "root": in_root})
+        elif sep and key in ("exitcode", "error_file", "traceback") and failures and not failures[-1][key]:
+            failures[-1][key] = value.split()[0] if key == "exitcode" and value else value
+    return failures
 
 
 def _rank_report(rank_dir: Path, what: str) -> str:
