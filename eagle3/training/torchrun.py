@@ -137,46 +137,71 @@ def describe_rank_failures(log_dir: Path, torchrun_output: Sequence[str] = ()) -
     return "\n".join(parts)
 
 
+@dataclass(frozen=True)
+class RankFailure:
+    """One entry of torchrun's failure report."""
+
+    rank: str
+    exitcode: int | None
+    error_file: str  # "<N/A>" when the rank left none
+    traceback: str  # its first line: "Signal 9 (SIGKILL) received by PID ..." for a killed rank
+    root_cause: bool  # the entry under "Root Cause (first observed failure)"
+
+    @property
+    def terminated_by_torchrun(self) -> bool:
+        """SIGTERM: what torchrun sends the ranks still running when it stops the group."""
+        return self.exitcode == -signal.SIGTERM
+
+    @property
+    def killed_silently(self) -> bool:
+        """Ended by another signal, without an error file."""
+        return (self.exitcode is not None and self.exitcode < 0 and not self.terminated_by_torchrun
+                and self.error_file in ("", "<N/A>"))
+
+
 def first_failure(torchrun_output: Sequence[str]) -> dict[str, str] | None:
     """The rank that failed first and how it ended, from the failure report torchrun prints.
 
-    A rank killed by a signal without leaving an error file (SIGKILL, the OOM killer) wins over
-    torchrun's own "Root Cause (first observed failure)": torchrun orders failures by whole-second
-    timestamps, and a killed rank's is the moment torchrun noticed it, so a peer that raised
-    "Connection reset by peer" within the same second is named instead of the rank whose death it
-    reports. SIGTERM does not count: it is what torchrun sends the ranks still running when it
-    stops the others, and it lists them as failures too.
+    torchrun's own "Root Cause (first observed failure)" is the entry with the smallest timestamp,
+    in whole seconds, and a rank without an error file is dated when torchrun notices it; so within
+    one second it can name a rank that only reacted. The order here: a rank killed silently
+    (SIGKILL, the OOM killer: its peers then raise "Connection reset by peer"); then any rank but
+    those torchrun SIGTERMed while stopping the group (it lists them as failures too), torchrun's
+    pick first; then torchrun's pick.
     """
     failures = torchrun_failures(torchrun_output)
-    killed = [f for f in failures if f["exitcode"].startswith("-") and f["exitcode"] != f"-{signal.SIGTERM.value}"
-              and f["error_file"] in ("", "<N/A>")]
-    chosen = killed[0] if killed else next((f for f in failures if f["root"]), None)
+    chosen = min(failures, key=lambda f: (not f.killed_silently, f.terminated_by_torchrun, not f.root_cause),
+                 default=None)
     if chosen is None:
         return None
-    how = f"exit code {chosen['exitcode'] or '?'}"
-    if chosen["traceback"].startswith("Signal"):
-        how += f" ({chosen['traceback']})"
-    return {"rank": chosen["rank"], "how": how}
+    how = f"exit code {'?' if chosen.exitcode is None else chosen.exitcode}"
+    if chosen.traceback.startswith("Signal"):
+        how += f" ({chosen.traceback})"
+    return {"rank": chosen.rank, "how": how}
 
 
-def torchrun_failures(torchrun_output: Sequence[str]) -> list[dict]:
-    """Every failure entry of torchrun's last failure report: rank, exitcode, error_file, traceback's
-    first line, and whether it is the "Root Cause" entry."""
+def torchrun_failures(torchrun_output: Sequence[str]) -> list[RankFailure]:
+    """Every entry of the last failure report in torchrun's output, in the order printed."""
     lines = list(torchrun_output)
-    reports = [i for i, line in enumerate(lines) if "Failures:" == line.strip()]
-    failures: list[dict] = []
-    in_root = False
+    reports = [i for i, line in enumerate(lines) if line.strip() == "Failures:"]
+    entries: list[dict] = []
+    root_cause = False
     for line in lines[reports[-1] if reports else 0:]:
-        if "Root Cause (first observed failure)" in line:
-            in_root = True
-        key, sep, value = line.partition(":")
-        key, value = key.strip(), value.strip()
+        root_cause = root_cause or "Root Cause (first observed failure)" in line
+        key, sep, value = (part.strip() for part in line.partition(":"))
         if sep and key == "rank" and value[:1].isdigit():
-            failures.append({"rank": value.split()[0], "exitcode": "", "error_file": "", "traceback": "",
-                             "root": in_root})
-        elif sep and key in ("exitcode", "error_file", "traceback") and failures and not failures[-1][key]:
-            failures[-1][key] = value.split()[0] if key == "exitcode" and value else value
-    return failures
+            entries.append({"rank": value.split()[0], "root_cause": root_cause})
+        elif sep and key in ("exitcode", "error_file", "traceback") and entries and key not in entries[-1]:
+            entries[-1][key] = value
+    return [RankFailure(rank=e["rank"], exitcode=_leading_int(e.get("exitcode", "")),
+                        error_file=e.get("error_file", ""), traceback=e.get("traceback", ""),
+                        root_cause=e["root_cause"]) for e in entries]
+
+
+def _leading_int(text: str) -> int | None:
+    """-9 from "-9 (pid: 16910)  (SIGKILL)"."""
+    head = text.split()[0] if text.split() else ""
+    return int(head) if head.lstrip("-").isdigit() else None
 
 
 def _rank_report(rank_dir: Path, what: str) -> str:

@@ -74,6 +74,20 @@ def test_a_rank_that_raised_on_its_own_is_the_root_cause(tmp_path):
         "rank 0 failed: ValueError: batch of 0 tokens"), report
 
 
+def test_a_rank_torchrun_terminated_is_not_named_over_the_one_that_raised(tmp_path):
+    """torchrun lists the ranks it SIGTERMs while stopping the group; a stuck one has no error file."""
+    attempt = tmp_path / "logs" / "none_abc" / "attempt_0"
+    rank0 = _rank_dir(attempt, 0, "")
+    rank1 = _rank_dir(attempt, 1, "")
+    error_file = _raised(rank1, "ValueError: batch of 0 tokens", int(time.time()))
+    stuck = ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=str(rank0 / "none"))
+    report = _report({0: stuck, 1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(error_file))})
+
+    assert first_failure(report)["rank"] == "1", report
+    assert describe_rank_failures(tmp_path / "logs", report).startswith(
+        "rank 1 failed: ValueError: batch of 0 tokens"), report
+
+
 def test_without_a_failure_report_every_rank_is_shown(tmp_path):
     attempt = tmp_path / "logs" / "none_abc" / "attempt_0"
     for rank in (0, 1):
