@@ -2,7 +2,7 @@
 
 Pydantic models, strict (`extra="forbid"`), every field described and bounded. The YAML
 loader and the orchestration sections (deploy, bench, tracking, hosts) live in
-`tasks/config.py`; this module has no YAML, Prefect or MLflow imports so that `eagle3/`
+`tasks/config/schema.py`; this module has no YAML, Prefect or MLflow imports so that `eagle3/`
 stays usable from a notebook.
 """
 

@@ -32,7 +32,13 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-from tasks.config import ConfigError, is_sweep, load_experiment, load_sweep, load_variants  # noqa: E402
+from tasks.config.load import (  # noqa: E402
+    ConfigError,
+    is_sweep,
+    load_experiment,
+    load_sweep,
+    load_variants,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="EAGLE-3 draft pipeline: data, training, export, SGLang deploy, benchmark.")
 out = Console()
@@ -43,7 +49,7 @@ BAD_INPUT, STAGE_FAILED = 2, 1
 
 def _version_callback(value: bool) -> None:
     if value:
-        from tasks.tracking import eagleops_version
+        from tasks.tracking.runs import eagleops_version
 
         out.print(f"eagleops {eagleops_version()}")
         raise typer.Exit()
@@ -104,7 +110,8 @@ def validate(config: Path = typer.Argument(..., help="Experiment or sweep YAML."
 def _non_defaults(cfg) -> dict[str, str]:
     """Flattened fields whose value differs from a config with only the required fields set, secrets masked;
     a whole section that is only the default for another kind (target.tiny of an HF target) is left out."""
-    from tasks.config import ExperimentConfig, flatten, masked_dict
+    from tasks.config.masked import flatten, masked_dict
+    from tasks.config.schema import ExperimentConfig
 
     mine = flatten(masked_dict(cfg))
     try:
@@ -117,7 +124,12 @@ def _non_defaults(cfg) -> dict[str, str]:
 def _sglang_runs(cfg) -> str:
     """`4/1/5 -> 4/1/5` (num_steps/eagle_topk/num_draft_tokens, `auto` = unset): asked, then SGLang 0.5.23's
     effective values for these launch flags."""
-    from tasks.launch import effective_settings, launch_args, predict, target_architecture
+    from tasks.hosts.launch import (
+        effective_settings,
+        launch_args,
+        predict,
+        target_architecture,
+    )
 
     spec = cfg.deploy.speculative
     asked = "/".join("auto" if v is None else str(v) for v in (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens))
@@ -133,8 +145,8 @@ def _sglang_runs(cfg) -> str:
 
 def _print_launch_findings(config: Path, index: int | None, variant: str | None, cfg) -> int:
     """Each finding as `file:line: [variant: ]field: check: message`, at the line that sets the field."""
-    from tasks.config import field_location
-    from tasks.launch import validate_launch
+    from tasks.config.load import field_location
+    from tasks.hosts.launch import validate_launch
 
     findings = validate_launch(cfg)
     style = {"error": "red", "warning": "yellow", "info": "dim"}
@@ -157,7 +169,7 @@ def run(
         variants = _variants(config, variant)
     except ConfigError as error:
         _fail_config(error)
-    from tasks.stages import STAGES
+    from tasks.runner.stages import STAGES
 
     selected = [s.strip() for s in stages.split(",") if s.strip()] if stages else None
     unknown = sorted(set(selected or []) - set(STAGES))
@@ -179,7 +191,7 @@ def _exit_interrupted(config: Path, variant: int | None, stop: KeyboardInterrupt
     from flows.runtime import Terminated
 
     signal_name, code = ("SIGTERM", 143) if isinstance(stop, Terminated) else ("Ctrl-C", 130)
-    runner = sys.modules.get("tasks.pipeline")  # not imported yet: the run had not started (no slow import now)
+    runner = sys.modules.get("tasks.runner.pipeline")  # not imported yet: the run had not started (no slow import now)
     pipeline = runner.Pipeline.active if runner else None
     if pipeline is None:
         err.print(f"interrupted ({signal_name}) before the run started; nothing was recorded", highlight=False)
@@ -196,12 +208,12 @@ def _resume_command(config: Path, variant: int | None, run_dir: Path) -> str:
 
 def _disk_full_line(config: Path, variant: int | None, full: BaseException) -> str:
     """One line: the stage, what filled, where, what is free, and the command that resumes once space is freed."""
-    from tasks.stages import DiskFull
+    from tasks.runner.stages import DiskFull
 
     if isinstance(full, DiskFull):
         again = _resume_command(config, variant, full.run_dir)
         return f"[red]disk full[/red] during {full.stage}: {full.detail}; free space, then resume with: {again}"
-    from tasks.diskspace import describe_disk_full, disk_full_error
+    from tasks.runner.diskspace import describe_disk_full, disk_full_error
 
     return f"[red]disk full[/red] {describe_disk_full(disk_full_error(full), Path.cwd())}; free space and run again"
 
@@ -218,19 +230,24 @@ def _variants(config: Path, variant: int | None) -> list[int | None]:
 
 
 def _run_one(config: Path, selected: list[str] | None, run_dir: Path | None, variant: int | None) -> None:
-    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
-    from tasks.diskspace import disk_full_error
-    from tasks.secrets import redact
-    from tasks.stages import DiskFull, SelectionError, StageFailed
+    from flows.runtime import (
+        prefect_api,
+        redacted_stdio,
+        signals_as_exceptions,
+        temporary_server,
+    )
+    from tasks.config.secrets import redact
+    from tasks.runner.diskspace import disk_full_error
+    from tasks.runner.stages import DiskFull, SelectionError, StageFailed
 
-    if "tasks.pipeline" in sys.modules:  # a sweep's earlier grid point ran in this process
-        sys.modules["tasks.pipeline"].Pipeline.active = None
+    if "tasks.runner.pipeline" in sys.modules:  # a sweep's earlier grid point ran in this process
+        sys.modules["tasks.runner.pipeline"].Pipeline.active = None
     try:
         with signals_as_exceptions(), temporary_server() as server:
             # imported while the server boots (seconds each, now overlapping); prefect_api waits for it
             with _loading_without_gc():
                 from flows.experiment import eagle3_experiment
-                from tasks.tracking import NO_PREFECT_UI_ENV
+                from tasks.tracking.views import NO_PREFECT_UI_ENV
 
             if server is not None:  # a temporary server: its address is no link to keep
                 os.environ[NO_PREFECT_UI_ENV] = "1"
@@ -305,8 +322,9 @@ def _registered_version(result: dict) -> tuple[str, str] | None:
 def _print_links(run_id: str, tracking_uri: str | None, registered: tuple[str, str] | None = None) -> None:
     """Where the run is in MLflow: its runs table (headline columns, model-training mode), the same runs as headline
     charts, the run itself and the model version it registered."""
-    from tasks.secrets import redact
-    from tasks.tracking import is_placeholder, model_version_url, run_links, ui_base
+    from tasks.config.secrets import redact
+    from tasks.tracking.journal import is_placeholder
+    from tasks.tracking.views import model_version_url, run_links, ui_base
 
     if not tracking_uri or is_placeholder(run_id):
         out.print(f"MLflow parent run: {run_id} (not uploaded yet: eagleops sync RUN_DIR)", highlight=False, soft_wrap=True)
@@ -328,7 +346,7 @@ def _print_links(run_id: str, tracking_uri: str | None, registered: tuple[str, s
 
 def _print_benchmark(bench: dict) -> None:
     """The answer, last: tok/s of the baseline and each setting, speedup, accept length online/offline, verdict."""
-    from tasks.report_bench import comparison_rows, shown, short_setting
+    from tasks.stages.bench.report import comparison_rows, short_setting, shown
 
     table = Table(title="benchmark: median tok/s of the timed runs; accept length in tokens per verify step",
                   box=box.SIMPLE_HEAD)
@@ -355,9 +373,10 @@ def runs(
     as_json: bool = typer.Option(False, "--json", help="Print JSON lines instead of a table."),
 ) -> None:
     """List recent experiment runs from MLflow, newest first."""
-    from tasks.report_bench import shown
-    from tasks.secrets import redact
-    from tasks.tracking import default_tracking_uri, recent_runs
+    from tasks.config.secrets import redact
+    from tasks.stages.bench.report import shown
+    from tasks.tracking.runs import recent_runs
+    from tasks.tracking.views import default_tracking_uri
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri("runs")
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
@@ -398,8 +417,8 @@ def _mlflow_lookup(uri: str, command: str):
     another refusal is one line naming what was looked up, exit 2, never a traceback."""
     from mlflow.exceptions import MlflowException
 
-    from tasks.secrets import redact
-    from tasks.tracking import is_outage, probe_tracking_server, short_error
+    from tasks.config.secrets import redact
+    from tasks.tracking.outage import is_outage, probe_tracking_server, short_error
 
     reason = probe_tracking_server(uri)
     if reason is not None:
@@ -426,7 +445,8 @@ def sync(
     A second sync uploads nothing. Exit 2 when the folder is not a run folder or the server does not answer,
     exit 1 when it refused entries."""
     from tasks.rundir import MANIFEST, RunDirectory
-    from tasks.tracking import TrackingUnavailable, sync_journal
+    from tasks.tracking.outage import TrackingUnavailable
+    from tasks.tracking.sync import sync_journal
 
     manifest_path = run_dir / MANIFEST
     if not manifest_path.is_file():
@@ -469,7 +489,12 @@ def deploy_flows(
     from prefect.client.orchestration import get_client
 
     from flows.deployments import (
-        GPU_POOL, ensure_gpu_queues, ensure_work_pools, missing_entrypoints, read_deployments, register_deployments,
+        GPU_POOL,
+        ensure_gpu_queues,
+        ensure_work_pools,
+        missing_entrypoints,
+        read_deployments,
+        register_deployments,
     )
 
     if not os.environ.get("PREFECT_API_URL"):
@@ -510,14 +535,21 @@ def nightly(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Resume this nightly's run directory."),
 ) -> None:
     """Retrain, benchmark against the registry's champion on the same host and prompts, promote or keep."""
-    from flows.runtime import prefect_api, redacted_stdio, signals_as_exceptions, temporary_server
-    from tasks.secrets import redact
-    from tasks.stages import StageFailed
+    from flows.runtime import (
+        prefect_api,
+        redacted_stdio,
+        signals_as_exceptions,
+        temporary_server,
+    )
+    from tasks.config.secrets import redact
+    from tasks.runner.stages import StageFailed
 
     try:
         cfg = load_experiment(config)
         with signals_as_exceptions(), temporary_server() as server:
-            from flows.nightly import nightly_retrain  # imported while the temporary server boots
+            from flows.nightly import (
+                nightly_retrain,  # imported while the temporary server boots
+            )
 
             with redacted_stdio(), prefect_api(server):
                 result = nightly_retrain(str(config), run_dir=str(run_dir) if run_dir else None)
@@ -528,7 +560,7 @@ def nightly(
     except (StageFailed, ValueError) as failure:
         err.print(f"[red]nightly failed[/red] {redact(str(failure))}", highlight=False, soft_wrap=True)
         raise typer.Exit(STAGE_FAILED)
-    from tasks.tracking import tracking_uri_for
+    from tasks.tracking.views import tracking_uri_for
 
     for line in nightly_outcome(result, tracking_uri_for(cfg)):
         out.print(line, highlight=False, soft_wrap=True)
@@ -537,7 +569,7 @@ def nightly(
 def nightly_outcome(result: dict, tracking_uri: str) -> list[str]:
     """The nightly's answer in two lines: which version moved to champion (or was refused) and why, then its page
     in the model registry."""
-    from tasks.tracking import model_version_url, ui_base
+    from tasks.tracking.views import model_version_url, ui_base
 
     name, version = result["model"], result["challenger"]
     why = result["reason"].split(": ", 1)[-1]  # the recorded reason opens with the decision ("promoted: ...")
@@ -560,7 +592,7 @@ def hosts_trust(
     yes: bool = typer.Option(False, "--yes", help="Record the key without asking (after checking it elsewhere)."),
 ) -> None:
     """Show the host key NAME presents now and record it in its known_hosts after you confirm it."""
-    from tasks.remote import RemoteError, host_key_fingerprint, trust_host
+    from tasks.hosts.remote import RemoteError, host_key_fingerprint, trust_host
 
     try:
         cfg = load_experiment(config)
@@ -590,7 +622,7 @@ def teardown(
 ) -> None:
     """Stop every server a run started that is still recorded as running (servers.json), by hand.
     Exit 1 when some could not be stopped (their host does not answer): each is named."""
-    from tasks.deploy import teardown_run, unstopped_servers
+    from tasks.hosts.teardown import teardown_run, unstopped_servers
 
     manifest = run_dir / "manifest.json"
     if not manifest.is_file():
@@ -653,7 +685,7 @@ def compare(
     """Print runs side by side from MLflow: their speculative setting, training and benchmark figures."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.report_bench import shown
+    from tasks.stages.bench.report import shown
 
     resolved = [_parent_of(r, tracking_uri) for r in runs]
     fetched = []
@@ -677,7 +709,7 @@ def compare(
 
 def _parent_of(run: str, tracking_uri: str | None) -> tuple[str, str]:
     """(tracking URI, parent run id) of a run folder or an MLflow run id; a wrong one is one line, exit 2."""
-    from tasks.tracking import default_tracking_uri
+    from tasks.tracking.views import default_tracking_uri
 
     if Path(run).exists() or os.sep in run:
         if not (Path(run) / "manifest.json").is_file():

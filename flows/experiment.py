@@ -3,7 +3,7 @@
     check_environment -> generate_data -> train_draft -> export_checkpoint
                       -> deploy_server -> run_benchmark -> report
 
-Each stage is a Prefect task in `tasks/`; `Pipeline` (tasks/pipeline.py) gives each one its
+Each stage is a Prefect task in `tasks/`; `Pipeline` (tasks/runner/pipeline.py) gives each one its
 run-directory folder and MLflow child run, skips stages that completed earlier with the same
 inputs, and stops the run at the first failure.
 """
@@ -14,17 +14,25 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.params import (
-    DEFAULT_CONFIG, ConfigOverrides, ConfigPath, RunDir, StageSelection, SweepVariant, apply_overrides,
+    DEFAULT_CONFIG,
+    ConfigOverrides,
+    ConfigPath,
+    RunDir,
+    StageSelection,
+    SweepVariant,
+    apply_overrides,
 )
-from tasks.config import load_experiment
-from tasks.bench import run_benchmark
-from tasks.data import generate_data
-from tasks.deploy import deploy_server, teardown_for_flow_run, teardown_run
-from tasks.env import check_environment
-from tasks.export import export_checkpoint
-from tasks.pipeline import Pipeline, is_interrupt
-from tasks.report import link_runs, report
-from tasks.train import train_draft
+from tasks.config.load import load_experiment
+from tasks.hosts.teardown import teardown_for_flow_run, teardown_run
+from tasks.runner.context import is_interrupt
+from tasks.runner.pipeline import Pipeline
+from tasks.stages.bench.stage import run_benchmark
+from tasks.stages.data.stage import generate_data
+from tasks.stages.deploy import deploy_server
+from tasks.stages.environment import check_environment
+from tasks.stages.export import export_checkpoint
+from tasks.stages.report import link_runs, report
+from tasks.stages.train.stage import train_draft
 
 
 def _teardown_hook(flow, flow_run, state) -> None:

@@ -16,11 +16,16 @@ from prefect.runtime import flow_run
 
 from flows.experiment import eagle3_experiment
 from flows.params import ConfigPath, RunDir
-from tasks.config import load_experiment
-from tasks.deploy import teardown_for_flow_run
-from tasks.gate import champion_gate, report_gate, training_config
-from tasks.registry import challenger_version, fetch_champion, promote_or_keep, registered_model_name
-from tasks.tracking import tracking_uri_for
+from tasks.config.load import load_experiment
+from tasks.hosts.teardown import teardown_for_flow_run
+from tasks.stages.gate.nightly import champion_gate, report_gate, training_config
+from tasks.tracking.registry import (
+    challenger_version,
+    fetch_champion,
+    promote_or_keep,
+    registered_model_name,
+)
+from tasks.tracking.views import tracking_uri_for
 
 # Data, training and export; the gate deploys and benchmarks (report always runs in the experiment flow).
 TRAINING_STAGES = ["check_environment", "generate_data", "train_draft", "export_checkpoint"]

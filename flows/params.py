@@ -2,7 +2,7 @@
 
 Owns the types of `eagle3_experiment`'s parameters: which config (one of the shipped
 `configs/**/*.yaml`, listed at import, or any other path on the worker), which stages (an enum
-of `tasks.pipeline.STAGES`), which sweep grid point, and `ConfigOverrides` (deploy host and the
+of `tasks.runner.stages.STAGES`), which sweep grid point, and `ConfigOverrides` (deploy host and the
 speculative flags). Prefect turns these types into the deployment's parameter schema, so the
 UI's Custom run renders a form and the server refuses a bad value (`enforce_parameter_schema`)
 before any run starts; the same types validate a direct Python call of the flow.
@@ -19,8 +19,10 @@ from typing import Annotated, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
-from tasks.config import NAME_PATTERN, ConfigError, ExperimentConfig
-from tasks.pipeline import STAGES
+from eagle3.config import NAME_PATTERN
+from tasks.config.load import ConfigError
+from tasks.config.schema import ExperimentConfig
+from tasks.runner.stages import STAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/tiny.yaml"

@@ -158,14 +158,14 @@ def _drain_prefect_workers(timeout: float = 10.0) -> None:
 
 
 class _RedactingStream:
-    """sys.stdout/sys.stderr stand-in: every write passes through `tasks.secrets.redact` first
+    """sys.stdout/sys.stderr stand-in: every write passes through `tasks.config.secrets.redact` first
     (third-party prints, e.g. a library printing its server URL, never go through logging)."""
 
     def __init__(self, stream):
         self._stream = stream
 
     def write(self, text: str) -> int:
-        from tasks.secrets import redact
+        from tasks.config.secrets import redact
 
         return self._stream.write(redact(text))
 

@@ -8,7 +8,7 @@ Earlier attempts are never overwritten, so changing `train.lr` and back again re
 first training. The manifest records, per stage, every attempt (status, fingerprint, inputs,
 outputs, output digest, MLflow run id) and which attempt is current. Writes are atomic
 (temp file + rename, the temp file removed when the write fails) and pass through
-`tasks.secrets.redact`, so a kill or a full disk never leaves half a manifest and no secret
+`tasks.config.secrets.redact`, so a kill or a full disk never leaves half a manifest and no secret
 reaches the folder.
 
 A run folder can be moved or copied (renamed `runs/`, rsync to shared storage): on disk, every
@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from tasks.secrets import redact, redact_obj
+from tasks.config.secrets import redact, redact_obj
 
 MANIFEST = "manifest.json"
 SQLITE = "sqlite:///"

@@ -24,7 +24,7 @@ os.environ.update(
         "MLFLOW_DISABLE_TELEMETRY": "true",
         # Task cache records and results must not leak between sessions (they live in PREFECT_HOME).
         "PREFECT_TASKS_REFRESH_CACHE": "true",
-        # A stage that reads a config field its StageSpec does not declare fails (tasks/pipeline.py): every
+        # A stage that reads a config field its StageSpec does not declare fails (tasks/runner/specs.py): every
         # flow test then checks the fingerprints of the stages and branches it runs.
         "EAGLEOPS_STRICT_STAGE_READS": "1",
     }

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from tasks.config import HostConfig
+from tasks.config.schema import HostConfig
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVERS = ["/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server", "/usr/lib/ssh/sftp-server"]

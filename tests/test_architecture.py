@@ -3,8 +3,10 @@
 - The direction eagle3 <- tasks <- flows, and no orchestration library inside eagle3/.
 - Inside eagle3/, the wings from the bottom up: config/environment, draft, data, training,
   export, serving, then the command aliases (`python -m eagle3.serve`, `python -m eagle3.torchrun`).
+- Inside tasks/, the wings from the bottom up: config, then the run log and the run folder
+  (`tasks.log`, `tasks.rundir`), hosts, tracking, runner, stages.
   A module may import its own wing and the wings below it, never one above.
-- No circular import between eagle3 modules.
+- No circular import anywhere in eagle3, tasks and flows.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ FORBIDDEN = {
     "eagle3": {"prefect", "mlflow", "paramiko", "yaml", "tasks", "flows", "typer"},
     "tasks": {"flows"},
 }
-# eagle3 wings, bottom first; a module's wing is the longest prefix of its dotted name listed here
-WINGS = [
+# Wings, bottom first; a module's wing is the one whose prefix its dotted name starts with
+EAGLE3_WINGS = [
     ("eagle3.config", "eagle3.environment"),
     ("eagle3.draft",),
     ("eagle3.data",),
@@ -27,6 +29,15 @@ WINGS = [
     ("eagle3.serving",),
     ("eagle3.serve", "eagle3.torchrun"),
 ]
+TASKS_WINGS = [
+    ("tasks.config",),
+    ("tasks.log", "tasks.rundir"),
+    ("tasks.hosts",),
+    ("tasks.tracking",),
+    ("tasks.runner",),
+    ("tasks.stages",),
+]
+WINGS = {"eagle3": EAGLE3_WINGS, "tasks": TASKS_WINGS}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -53,32 +64,45 @@ def module_name(path: Path) -> str:
 
 
 def wing_of(module: str) -> int | None:
-    """Index in WINGS of the wing `module` belongs to (None: not an eagle3 module we know)."""
-    for level, prefixes in enumerate(WINGS):
+    """Index in its package's wings of the wing `module` belongs to (None: not a module of a wing)."""
+    for level, prefixes in enumerate(WINGS.get(module.split(".")[0], [])):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return level
     return None
 
 
+def package_modules(*packages: str) -> dict[str, Path]:
+    return {module_name(p): p for package in packages for p in sorted((REPO / package).rglob("*.py"))}
+
+
 def eagle3_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted((REPO / "eagle3").rglob("*.py"))}
+    return package_modules("eagle3")
+
+
+def tasks_modules() -> dict[str, Path]:
+    return package_modules("tasks")
 
 
 def wing_violations(modules: dict[str, Path]) -> list[str]:
-    """`a imports b` for every eagle3 import that points up the wings."""
+    """`a imports b` for every import inside one package (eagle3, tasks) that points up its wings."""
     violations = []
     for name, path in modules.items():
-        own = wing_of(name)
+        package, own = name.split(".")[0], wing_of(name)
+        wings = WINGS.get(package, [])
         for target in sorted(imported_names(path)):
             level = wing_of(target)
-            if target.startswith("eagle3.") and level is not None and own is not None and level > own:
-                violations.append(f"{name} imports {target} (wing {WINGS[level][0]} is above {WINGS[own][0]})")
+            if target.startswith(package + ".") and level is not None and own is not None and level > own:
+                violations.append(f"{name} imports {target} (wing {wings[level][0]} is above {wings[own][0]})")
     return violations
 
 
 def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
-    """Cycles of the import graph between eagle3 modules (each cycle once, from its smallest name)."""
-    graph = {name: sorted(t for t in imported_names(path) if t in modules and t != name)
+    """Cycles of the import graph between the modules given (each cycle once, from its smallest name).
+
+    `from pkg import name` counts as an import of `pkg.name` when that is a module, else of `pkg`, so a
+    package `__init__` that re-exports from a module which imports the package back is a cycle too.
+    """
+    graph = {name: sorted({_known_module(t, modules) for t in imported_names(path)} - {None, name})
              for name, path in modules.items()}
     cycles, state = [], {}
 
@@ -99,6 +123,13 @@ def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
         if name not in state:
             visit(name, [])
     return cycles
+
+
+def _known_module(dotted: str, modules: dict[str, Path]) -> str | None:
+    """The module of `modules` a dotted import name lands in (`a.b.c` -> `a.b` when c is a name in it)."""
+    while dotted and dotted not in modules:
+        dotted = dotted.rpartition(".")[0]
+    return dotted or None
 
 
 def test_layering():
@@ -122,6 +153,18 @@ def test_no_circular_import_in_eagle3():
     assert import_cycles(eagle3_modules()) == []
 
 
+def test_every_tasks_module_is_in_a_wing():
+    assert [name for name in tasks_modules() if name != "tasks" and wing_of(name) is None] == []
+
+
+def test_tasks_wings_only_import_wings_below_them():
+    assert wing_violations(tasks_modules()) == []
+
+
+def test_no_circular_import_anywhere():
+    assert import_cycles(package_modules("eagle3", "tasks", "flows")) == []
+
+
 def test_the_checks_can_fail(tmp_path):
     offender = tmp_path / "bad.py"
     offender.write_text("import mlflow\nfrom prefect import flow\n")
@@ -140,3 +183,22 @@ def test_the_checks_can_fail(tmp_path):
     a.write_text("import eagle3.data.b\n")
     b.write_text("def g():\n    from eagle3.data import a\n")
     assert import_cycles({"eagle3.data.a": a, "eagle3.data.b": b}) == [["eagle3.data.a", "eagle3.data.b"]]
+
+    # tasks/: a planted upward import (tracking -> runner) and a planted circle between two wings' modules
+    tracking, runner = tmp_path / "tracking.py", tmp_path / "runner.py"
+    tracking.write_text("from tasks.runner.context import StageContext\n")
+    runner.write_text("import tasks.tracking.run_logger\n")
+    planted = {"tasks.tracking.run_logger": tracking, "tasks.runner.context": runner}
+    assert wing_violations(planted) == [
+        "tasks.tracking.run_logger imports tasks.runner.context (wing tasks.runner is above tasks.tracking)",
+        "tasks.tracking.run_logger imports tasks.runner.context.StageContext (wing tasks.runner is above tasks.tracking)",
+    ]
+    assert import_cycles(planted) == [["tasks.runner.context", "tasks.tracking.run_logger"]]
+    assert wing_of("tasks.somewhere_new") is None  # a module outside every wing fails the every-module test
+
+    # a package that re-exports from a module which imports the package back
+    init, sub = tmp_path / "__init__.py", tmp_path / "sub.py"
+    init.write_text("from tasks.hosts.remote.sub import helper\n")
+    sub.write_text("from tasks.hosts.remote import other\n")
+    assert import_cycles({"tasks.hosts.remote": init, "tasks.hosts.remote.sub": sub}) == [
+        ["tasks.hosts.remote", "tasks.hosts.remote.sub"]]

@@ -50,5 +50,5 @@ def file_sha256(path: Path) -> str:
 
 def emit_event(event: str, **fields) -> None:
     """One JSON line on stdout: what an orchestrator watching this command relays (progress, log lines,
-    the outcome; tasks.host_job reads them)."""
+    the outcome; tasks.hosts.jobs reads them)."""
     print(json.dumps({"event": event, **fields}), flush=True)

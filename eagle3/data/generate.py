@@ -147,7 +147,7 @@ def _servers(rcfg: RegenerateConfig, open_endpoints: OpenEndpoints | None) -> co
     if rcfg.server_urls:
         return contextlib.nullcontext(rcfg.server_urls)
     if open_endpoints is None:
-        raise ValueError("data.regenerate.deploy: the servers are started by the data stage (tasks.data); "
+        raise ValueError("data.regenerate.deploy: the servers are started by the data stage (tasks.stages.data); "
                          "called directly, generate_dataset needs open_endpoints or data.regenerate.endpoints")
     return open_endpoints()
 

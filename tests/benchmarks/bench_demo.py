@@ -45,7 +45,7 @@ from eagle3.data.generate import generate_dataset  # noqa: E402
 from eagle3.data.tiny_target import build_tiny_target, cpu_threads  # noqa: E402
 from eagle3.export import export_checkpoint  # noqa: E402
 from eagle3.training.train import train_draft  # noqa: E402
-from tasks.config import ExperimentConfig  # noqa: E402
+from tasks.config.schema import ExperimentConfig  # noqa: E402
 
 
 def cpu_seconds() -> float:

@@ -29,7 +29,12 @@ from eagle3.config import TinyTargetConfig  # noqa: E402
 from eagle3.data.prompts import builtin_conversations, prompt_part  # noqa: E402
 from eagle3.data.target import load_target  # noqa: E402
 from eagle3.data.tiny_target import build_tiny_target
-from eagle3.serving.decoding import SamplingParams, SpecConfig, SpeculativeEngine, TargetModel  # noqa: E402
+from eagle3.serving.decoding import (  # noqa: E402
+    SamplingParams,
+    SpecConfig,
+    SpeculativeEngine,
+    TargetModel,
+)
 from eagle3.serving.settings import load_eagle3_drafter  # noqa: E402
 
 DEFAULT_SETTINGS = "3/1/4,5/1/6,7/1/8,5/4/8,4/2/6"
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", type=Path, required=True, help="SGLang-format EAGLE-3 export dir of the trained draft")
     p.add_argument("--target", type=Path, default=None, help="HF target dir (default: the tiny target)")
     p.add_argument("--cache-root", type=Path, default=REPO / "runs" / "cache" / "targets",
-                   help="tiny target cache (the pipeline's, tasks/data.py)")
+                   help="tiny target cache (the pipeline's, tasks/stages/target.py)")
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="comma list of steps/topk/draft_tokens")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)

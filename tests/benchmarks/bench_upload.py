@@ -35,8 +35,8 @@ from typing import Callable
 import paramiko
 import psutil
 
-from tasks.config import HostConfig
-from tasks.remote import connect, sha256_file
+from tasks.config.schema import HostConfig
+from tasks.hosts.remote import connect, sha256_file
 from tests.sshd import SshdServer, start_sshd
 
 

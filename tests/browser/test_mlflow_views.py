@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.tracking import HEADLINE_METRICS, create_run, run_links
-from tests.browser.test_ui import browser, cut_headers, header_texts, screenshots, wait_for, wait_for_text  # noqa: F401  (fixtures)
+from tasks.tracking.run_logger import create_run
+from tasks.tracking.views import HEADLINE_METRICS, run_links
+from tests.browser.test_ui import (  # noqa: F401  (fixtures)
+    browser,
+    cut_headers,
+    header_texts,
+    screenshots,
+    wait_for,
+    wait_for_text,
+)
 
 pytestmark = pytest.mark.slow
 

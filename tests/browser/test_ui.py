@@ -13,7 +13,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.tracking import HEADLINE_METRICS, model_version_url, run_links
+from tasks.tracking.views import HEADLINE_METRICS, model_version_url, run_links
 from tests.helpers import TEST_TARGET_YAML, free_port
 from tests.team_servers import wait_for_run
 

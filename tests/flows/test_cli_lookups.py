@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tasks.mlflow_journal import Journal, journal_path
+from tasks.tracking.journal import Journal, journal_path
 
 
 def free_port() -> int:

@@ -19,13 +19,12 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-
 from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.experiment import eagle3_experiment
-from tasks.pipeline import StageFailed
 from tasks.rundir import RunDirectory
+from tasks.runner.stages import StageFailed
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 CONFIG = """\
@@ -248,15 +247,15 @@ def test_seed_setting_with_adjustments_runs_as_2_the_diagnosis_names_the_rewrite
 def launched_with(monkeypatch, *flags: str) -> None:
     """Every speculative server starts with `flags` appended, which the preflight is never told about (as a
     wrapper script or another SGLang build would): what it runs is then known only from its own report."""
-    import tasks.deploy
+    import tasks.hosts.servers
 
-    real = tasks.deploy.server_command
+    real = tasks.hosts.servers.server_command
 
     def with_flags(cfg, python, args):
         argv = real(cfg, python, args)
         return [*argv, *flags] if "--speculative-algorithm" in args else argv
 
-    monkeypatch.setattr(tasks.deploy, "server_command", with_flags)
+    monkeypatch.setattr(tasks.hosts.servers, "server_command", with_flags)
 
 
 @pytest.mark.slow
@@ -384,7 +383,8 @@ hosts:
 
 def leave_a_server_running(run_dir: Path, executor, remote: Path) -> int:
     """What a killed run leaves behind: a process on the SSH host that servers.json records as live."""
-    from tasks.deploy import SERVERS_FILE, ServerHandle
+    from tasks.hosts.server_registry import SERVERS_FILE
+    from tasks.hosts.servers import ServerHandle
 
     log, pid_file = f"{remote}/sleep.log", f"{remote}/sleep.pid"
     pid = executor.start_detached(["sleep", "600"], log_file=log, pid_file=pid_file)
@@ -414,7 +414,7 @@ def process_gone(pid: int, timeout: float = 15) -> bool:
 def test_teardown_of_a_moved_run_folder_from_another_directory(prefect_harness, sshd, tmp_path, monkeypatch):
     """The hosts inventory survives a moved folder and another working directory: the config file the run
     started with (recorded absolute, though it was given relative), else the run folder's own config.yaml."""
-    from tasks.remote import connect
+    from tasks.hosts.remote import connect
 
     team, remote, elsewhere = tmp_path / "team", tmp_path / "remote", tmp_path / "elsewhere"
     for folder in (team, remote, elsewhere):

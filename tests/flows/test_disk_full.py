@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.data.files import atomic_write_text
-from tasks.diskspace import describe_disk_full
 from tasks.rundir import write_json_atomic
+from tasks.runner.diskspace import describe_disk_full
 from tests.helpers import TEST_TARGET_YAML, mounted_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]

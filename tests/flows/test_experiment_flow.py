@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.experiment import eagle3_experiment
-from tasks.pipeline import StageFailed
+from tasks.runner.stages import StageFailed
 
 SECRET = "sk-eagleops-test-5e3c7a91d2"
 CONFIG = """\

@@ -27,12 +27,12 @@ import pytest
 import yaml
 
 from eagle3.config import TinyTargetConfig
+from eagle3.data.placement import SIMULATED_DEVICES_ENV
 from eagle3.data.prompts import builtin_conversations, prompt_part
 from eagle3.data.tiny_target import build_tiny_target
 from flows.experiment import eagle3_experiment
-from tasks.remote.ssh import SSHExecutor
+from tasks.hosts.remote.ssh import SSHExecutor
 from tasks.rundir import RunDirectory
-from eagle3.data.placement import SIMULATED_DEVICES_ENV
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 REPO = Path(__file__).resolve().parents[2]

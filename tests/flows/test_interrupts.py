@@ -315,9 +315,9 @@ def record_test_server(run_dir: Path, label: str, host: str = "local", port: int
                        gone: bool = False) -> int:
     """A real process group (a shell and its sleep) recorded in servers.json as a live server; `gone`: it
     exited before the teardown. -> its pid."""
-    from tasks.deploy import ServerHandle
-    from tasks.remote import LocalExecutor
-    from tasks.server_registry import record_server
+    from tasks.hosts.remote import LocalExecutor
+    from tasks.hosts.server_registry import record_server
+    from tasks.hosts.servers import ServerHandle
     from tests.helpers import free_port
 
     local, mark = LocalExecutor(), f"{RUN_MARK}-{label}"
@@ -390,7 +390,8 @@ def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
     assert proc.wait(timeout=300) == 1
     output = log.read_text()
     # Prefect logs the stage's own traceback; none may come from the teardown
-    assert 'tasks/deploy.py", line' not in output and "EnvironmentCheckFailed" in output, output[-3000:]
+    assert not any(f'tasks/hosts/{room}.py", line' in output for room in ("teardown", "servers")), output[-3000:]
+    assert "EnvironmentCheckFailed" in output, output[-3000:]
     assert output.rstrip().splitlines()[-1].startswith("stage failed check_environment failed: disk:"), output[-2000:]
     assert "on gone-host left running: cannot reach host gone-host" in output
     assert recorded_servers_alive() == []

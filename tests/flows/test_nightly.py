@@ -32,14 +32,22 @@ from mlflow.tracking import MlflowClient
 
 from eagle3.export import read_target_config, validate_sglang_checkpoint
 from flows.nightly import nightly_retrain
-from tasks.config import NightlyConfig, load_experiment
-from tasks.gate import decide, draft_identity, interleaved_order, measure_drafts, pooled_rows, training_config
-from tasks.noise import relative_gain
-from tasks.pipeline import StageContext
+from tasks.config.load import load_experiment
+from tasks.config.schema import NightlyConfig
 from tasks.rundir import RunDirectory, digest_paths, file_sha256
-from tests.mlflow_server import MlflowServer, free_port
-from tests.helpers import reference_servers_alive
+from tasks.runner.context import StageContext
+from tasks.stages.gate.nightly import (
+    decide,
+    draft_identity,
+    interleaved_order,
+    measure_drafts,
+    pooled_rows,
+    training_config,
+)
+from tasks.stages.gate.noise import relative_gain
 from tests.browser.test_ui import browser, screenshots  # noqa: F401  (fixtures)
+from tests.helpers import reference_servers_alive
+from tests.mlflow_server import MlflowServer, free_port
 
 MODEL = "nightly-draft"
 CONFIG = """\
@@ -306,7 +314,7 @@ def rows(tok_s: float | list[float], accept: float, concurrency: int = 1, by_pos
 
 
 def welch_lower_bound(new: list[float], old: list[float], confidence: float) -> float:
-    """The gain's one-sided lower bound from scipy's own Welch test (an oracle built apart from tasks.noise)."""
+    """The gain's one-sided lower bound from scipy's own Welch test (an oracle built apart from tasks.stages.gate.noise)."""
     from scipy.stats import ttest_ind
 
     result = ttest_ind([math.log(v) for v in new], [math.log(v) for v in old], equal_var=False, alternative="greater")

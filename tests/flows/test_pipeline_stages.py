@@ -172,7 +172,7 @@ def test_single_field_change_reruns_exactly_what_depends_on_it(stage_run, tmp_pa
 
 
 def test_a_stage_without_its_upstream_outputs_says_which_stage_to_add(prefect_harness, tmp_path):
-    from tasks.pipeline import SelectionError
+    from tasks.runner.stages import SelectionError
 
     config = tmp_path / "fresh.yaml"
     config.write_text(CONFIG.format(runs=tmp_path / "runs"))
@@ -294,9 +294,9 @@ def test_a_moved_runs_root_reuses_its_cached_tiny_target(stage_run, tmp_path):
 
 
 def test_the_light_stage_list_is_the_runners():
-    """`eagleops run` checks --stages against tasks.stages (no Prefect/MLflow/torch import before its server
+    """`eagleops run` checks --stages against tasks.runner.stages (no Prefect/MLflow/torch import before its server
     starts); the runner's specs must name the same stages in the same order."""
-    from tasks.pipeline import STAGE_SPECS
-    from tasks.stages import STAGES
+    from tasks.runner.specs import STAGE_SPECS
+    from tasks.runner.stages import STAGES
 
     assert list(STAGE_SPECS) == STAGES

@@ -1,6 +1,6 @@
 """Stage fingerprints that cannot go stale, and a schema with no field nothing reads.
 
-One run of every stage through the flow, under the recording view (tasks/config_reads.py): the
+One run of every stage through the flow, under the recording view (tasks/config/reads.py): the
 data stage regenerating through a server it starts, training, both export formats, a deploy and a
 benchmark (with a bench.sweep setting) over a real sshd on 127.0.0.1. The pipeline records each
 attempt's reads in the manifest and, with EAGLEOPS_STRICT_STAGE_READS (set for the whole suite in
@@ -21,10 +21,18 @@ from pathlib import Path
 import pytest
 
 from flows.experiment import eagle3_experiment
-from tasks.config import ExperimentConfig, NightlyConfig, load_experiment
-from tasks.config_reads import covered, recording_reads
-from tasks.pipeline import STAGE_SPECS, STAGES, Reads, StageSpec, stage_inputs, undeclared_reads
+from tasks.config.load import load_experiment
+from tasks.config.reads import covered, recording_reads
+from tasks.config.schema import ExperimentConfig, NightlyConfig
 from tasks.rundir import RunDirectory
+from tasks.runner.specs import (
+    STAGE_SPECS,
+    Reads,
+    StageSpec,
+    stage_inputs,
+    undeclared_reads,
+)
+from tasks.runner.stages import STAGES
 from tests.helpers import TEST_TARGET_YAML, free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,9 +156,9 @@ def reads_elsewhere(tmp_path: Path) -> set[str]:
     GPU configs (validation holds data.max_length and data.draft_vocab_size to the declared target shape), the
     environment check on them (the data stage on this machine) and the run's tags, and the nightly gate's
     decision and evidence."""
-    from tasks.env import needs_for
-    from tasks.gate import decide, gate_evidence, training_config
-    from tasks.tracking import run_tags
+    from tasks.stages.environment import needs_for
+    from tasks.stages.gate.nightly import decide, gate_evidence, training_config
+    from tasks.tracking.runs import run_tags
 
     found: set[str] = set()
     for name in ("llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml"):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from flows.experiment import eagle3_experiment
-from tasks.pipeline import StageFailed
 from tasks.rundir import RunDirectory
+from tasks.runner.stages import StageFailed
 from tests.helpers import TEST_TARGET_YAML, free_port
 
 pytestmark = pytest.mark.slow
@@ -120,7 +120,7 @@ def test_two_ranks_and_two_nodes_match_one_process(data_run, workdir, sshd):
 
 
 def test_unknown_node_is_a_config_error(workdir, sshd):
-    from tasks.config import ConfigError, load_experiment
+    from tasks.config.load import ConfigError, load_experiment
 
     with pytest.raises(ConfigError, match="train.nodes"):
         load_experiment(write_config(workdir, sshd, "unknown", nodes="[node-z]"))

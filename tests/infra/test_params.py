@@ -8,9 +8,14 @@ from prefect.utilities.schema_tools import validate
 
 from flows.experiment import eagle3_experiment
 from flows.nightly import nightly_retrain
-from flows.params import SHIPPED_CONFIGS, ConfigOverrides, apply_overrides, shipped_configs
-from tasks.config import ConfigError, load_experiment
-from tasks.pipeline import STAGES
+from flows.params import (
+    SHIPPED_CONFIGS,
+    ConfigOverrides,
+    apply_overrides,
+    shipped_configs,
+)
+from tasks.config.load import ConfigError, load_experiment
+from tasks.runner.stages import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 WITH_HOSTS = """\

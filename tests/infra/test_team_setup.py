@@ -144,7 +144,7 @@ def test_the_nightly_schedule_is_a_cron_with_a_timezone_the_ui_can_show(team_ser
 def test_a_flow_runs_address_opens_in_the_ui_the_server_opens_by_default(team_servers):
     """The link eagleops puts on the MLflow run: Prefect 3.9.1 serves UI v1 at / and v2 (its default) at /v2, and
     only / itself redirects to the default, so the deep link names the default UI's base."""
-    from tasks.tracking import prefect_flow_run_url
+    from tasks.tracking.views import prefect_flow_run_url
 
     settings = httpx.get(f"{team_servers.prefect_ui}/ui-settings", timeout=10).json()
     base = settings[f"{settings['default_ui']}_base_url"].rstrip("/")

@@ -270,8 +270,8 @@ def test_compare_failures():
 
 def test_deploy_preflight_dry_run_over_ssh_agrees_and_catches_a_disagreement(sglang_python, model_dirs, sshd):
     """The deploy stage's dry run: the script piped over SSH to the host's SGLang Python."""
-    from tasks.deploy import dry_run_findings, sglang_dry_run
-    from tasks.remote import connect
+    from tasks.hosts.remote import connect
+    from tasks.stages.deploy import dry_run_findings, sglang_dry_run
 
     argv = case_argv("chain-3-1-4", "llama", ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                                         "--speculative-num-draft-tokens", "4"], model_dirs)
@@ -291,12 +291,12 @@ def test_sweep_settings_get_sglangs_resolution_in_one_batched_dry_run(sglang_pyt
 
     from eagle3.draft.model import Eagle3DraftModel
     from eagle3.export import export_sglang
-    from tasks.bench import checked_sweep
-    from tasks.config import ExperimentConfig
-    from tasks.deploy import Placement
-    from tasks.launch import launch_args
-    from tasks.remote import LocalExecutor
-    from tasks.served import launch_paths, read_served_model
+    from tasks.config.schema import ExperimentConfig
+    from tasks.hosts.launch import launch_args
+    from tasks.hosts.remote import LocalExecutor
+    from tasks.hosts.served import launch_paths, read_served_model
+    from tasks.hosts.servers import Placement
+    from tasks.stages.bench.stage import checked_sweep
 
     target = {**LLAMA_TARGET, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 7,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}

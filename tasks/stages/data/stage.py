@@ -1,0 +1,85 @@
+"""generate_data: target -> regenerated answers -> loss-masked samples -> draft vocab -> hidden states.
+
+A thin wrapper over `eagle3.data.generate.generate_dataset` (or, with `data.host`, the same run on the
+data host: `tasks.stages.data.host`). The tiny target is built here (`tasks.stages.target`), so the
+whole CPU default needs nothing from a hub. Everything the data depends on is logged to the stage's
+MLflow run: the aux layer ids in SGLang's convention *and* as HF indices, the chat-template hash,
+regeneration settings (no secrets) and the draft vocab map. With `data.regenerate.deploy`, the stage
+starts its own regeneration servers only when prompts are left to answer (`tasks.stages.data.regeneration`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from eagle3.data.generate import generate_dataset
+from eagle3.data.samples import SAMPLES_META
+from tasks.config.schema import ExperimentConfig
+from tasks.log import logger
+from tasks.rundir import digest_paths
+from tasks.runner.context import StageContext
+from tasks.stages.data.host import generate_on_host
+from tasks.stages.data.regeneration import regeneration_servers
+from tasks.stages.target import resolve_target_dir
+
+
+@task(name="generate_data", cache_policy=NO_CACHE)
+def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
+    if cfg.data.host != "local":  # where the target is: the hidden states are written and stay there
+        return generate_on_host(cfg, ctx)
+    target_dir = resolve_target_dir(cfg, ctx)
+    dataset_dir = ctx.stage_dir / "dataset"
+    summary = generate_dataset(target_dir, cfg.target, cfg.data, dataset_dir, on_progress=ctx.progress(),
+                               log=logger().info, open_endpoints=lambda: regeneration_servers(cfg, ctx, target_dir))
+    _log_to_mlflow(ctx, target_dir, summary)
+    metrics = {
+        key: summary[key]
+        for key in ("num_train", "num_val", "num_samples", "tokens", "assistant_tokens", "loss_mask_fraction",
+                    "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
+        if isinstance(summary.get(key), (int, float))
+    }
+    vocab = summary.get("vocab", {})
+    if isinstance(vocab.get("coverage"), (int, float)):
+        metrics["draft_vocab_coverage"] = vocab["coverage"]
+    return {
+        **summary,
+        "metrics": metrics,
+        "outputs": {"target_dir": str(target_dir), "dataset_dir": str(dataset_dir), **{k: v for k, v in summary["paths"].items() if v}},
+        "output_digest": dataset_digest(target_dir, summary),
+    }
+
+
+def dataset_digest(target_dir: Path, summary: dict) -> str:
+    """Content digest of what training consumes: samples, vocab map, the hidden-state shards'
+    manifest (it holds each shard's sha256, so terabytes are not re-read) and the target's identity:
+    its config.json and the samples' meta, whose fingerprint names the target by its config, weight
+    and tokenizer files -- never by where it lies, so a moved run folder or runs root keeps the digest."""
+    paths = summary["paths"]
+    hashed = [paths["samples"], Path(paths["samples"]).with_name(SAMPLES_META), paths["vocab"], target_dir / "config.json"]
+    if paths.get("hidden_states"):
+        hashed.append(Path(paths["hidden_states"]) / "manifest.json")
+    return digest_paths(hashed)
+
+
+def _log_to_mlflow(ctx: StageContext, target_dir: Path, summary: dict) -> None:
+    run = ctx.mlflow
+    run.log_params({
+        "aux_layer_ids": json.dumps(summary["aux_layer_ids"]),
+        "hf_hidden_state_indices": json.dumps(summary["hf_indices"]),
+        "architecture": summary["architecture"],
+        "chat_template_sha256": summary["chat_template_sha256"],
+        "hidden_states": summary["hidden_states"],
+        "target_dir": str(target_dir),
+        **{f"regenerate.{k}": v for k, v in summary["regeneration"].items()},
+    })
+    run.log_dict(summary, "data/summary.json")
+    vocab_dir = Path(summary["paths"]["vocab"])
+    if vocab_dir.is_dir():
+        run.log_artifact(vocab_dir, "vocab")
+    eval_file = target_dir / "eval.json"
+    if eval_file.is_file():
+        run.log_artifact(eval_file, "target")

@@ -1,0 +1,546 @@
+"""A generated corpus of bad configs, each answered in one line: exit 2 and `file:line: field: reason`.
+
+Every case is a mutation of a shipped config (configs/*.yaml) or of the shipped sweep
+(configs/sweeps/), built here: what it changes, the file and line the answer must point at and a
+fragment naming the field (or the file). Two families:
+- schema-driven: for every leaf field of `ExperimentConfig` and its nested models, a value past
+  its bound, of the wrong type or outside its choices, and a misspelt sibling of each section's
+  first field, written into the shipped configs in turn;
+- the defects found by hand: sweep overrides through a string or a list, launch flags SGLang
+  refuses, model folders with a broken config.json, encodings, deep nesting, anchors, an alias
+  bomb, symlink loops, Rich markup, a 50 MB file, jump hosts, malformed `${...}`, addresses with
+  whitespace, seeds and ports out of range, layer ids past the target, duplicate keys.
+The expected line is the line the mutation wrote, found by the text edit itself (never by the
+loader's line index). `eagleops validate` answers each one, `eagleops run` each one that fails at
+load (it stops before Prefect starts), in-process, each within a second, no traceback; the cases
+that try to make the loader spend (bomb, nesting, size) are also held to a memory peak.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import tracemalloc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import pytest
+from pydantic import BaseModel, SecretStr
+from typer.testing import CliRunner
+
+from flows.cli import app
+from tasks.config.schema import ExperimentConfig
+
+REPO = Path(__file__).resolve().parents[3]
+SHIPPED = {p.name: p.read_text() for p in sorted((REPO / "configs").glob("*.yaml"))}
+SWEEP_NAME = "llama-3.1-8b-spec-grid.yaml"
+SWEEP = (REPO / "configs" / "sweeps" / SWEEP_NAME).read_text()
+SWEEP_BASE = "llama-3.1-8b.yaml"
+runner = CliRunner()
+
+
+@dataclass
+class Mutation:
+    """One bad config: the files to write (`@TMP@` = the case's folder), the one to validate, and the answer."""
+
+    name: str
+    files: dict[str, str | bytes]
+    entry: str
+    where: str | None  # "file:line" the answer must name; None = the file alone (it cannot be read)
+    fragment: str
+    at_load: bool = True  # refused while loading, so `run` refuses it too (launch-flag checks are validate's)
+    links: dict[str, str] = field(default_factory=dict)  # symlink -> target, relative to the case's folder
+    heavy: bool = False  # measure the memory peak too
+
+
+# ------------------------------------------------------------------ editing YAML text by lines
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _content(line: str) -> bool:
+    stripped = line.strip()
+    return bool(stripped) and not stripped.startswith("#")
+
+
+class Doc:
+    """A YAML file as lines, edited the way a person would: set one key, report the line written."""
+
+    def __init__(self, text: str):
+        self.lines = text.rstrip("\n").split("\n")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+    def _block_end(self, i: int) -> int:
+        own, j = _indent(self.lines[i]), i + 1
+        while j < len(self.lines) and (not _content(self.lines[j]) or _indent(self.lines[j]) > own):
+            j += 1
+        return j
+
+    def _find(self, key: str, start: int, end: int, item: int | None = None) -> int | None:
+        """The line of `key` among the direct children of [start, end); in a list item (`item` = the indent of
+        its dash) the key may sit on the dash line."""
+        children = [i for i in range(start, end) if _content(self.lines[i])]
+        if not children:
+            return None
+        indent = _indent(self.lines[children[0]])
+        lead = rf"( {{{item}}}- | {{{item + 2}}})" if item is not None else rf"( {{{indent}}})"
+        pattern = re.compile(rf"^{lead}{re.escape(key)}:(\s|$)")
+        return next((i for i in children if pattern.match(self.lines[i])), None)
+
+    def _inline(self, i: int) -> bool:
+        value = self.lines[i].split(":", 1)[1].split(" #")[0].strip()
+        return bool(value)
+
+    def set(self, path: tuple, value: str) -> int | None:
+        """Write `path: value` (block style); the 1-based line written, None where a flow mapping is in the way."""
+        start, end, indent, item = 0, len(self.lines), 0, None
+        for depth, key in enumerate(path):
+            last = depth == len(path) - 1
+            if isinstance(key, int):
+                items = [i for i in range(start, end) if self.lines[i].lstrip().startswith("- ")
+                         and _indent(self.lines[i]) == indent]
+                if len(items) <= key:
+                    return None
+                start, end = items[key], (items[key + 1] if key + 1 < len(items) else end)
+                item, indent = indent, indent + 2
+                continue
+            found = self._find(key, start, end, item)
+            if found is None:
+                if any(isinstance(k, int) for k in path[depth:]):
+                    return None
+                at = end if depth == 0 else start + (item is not None)
+                chain = [" " * (indent + 2 * n) + f"{k}:" for n, k in enumerate(path[depth:])]
+                chain[-1] += f" {value}"
+                self.lines[at:at] = chain
+                return at + len(chain)
+            if last:
+                prefix = self.lines[found][:self.lines[found].index(key)]
+                del self.lines[found + 1:self._block_end(found)]
+                self.lines[found] = f"{prefix}{key}: {value}"
+                return found + 1
+            if self._inline(found):
+                return None
+            start, end, item = found + 1, self._block_end(found), None
+            children = [i for i in range(start, end) if _content(self.lines[i])]
+            indent = _indent(self.lines[children[0]]) if children else _indent(self.lines[found]) + 2
+            if children and self.lines[children[0]].lstrip().startswith("- "):
+                indent = _indent(self.lines[children[0]])
+        return None
+
+    def line_of(self, needle: str, after: int = 0) -> int:
+        """1-based line of the first line (at or after line `after`) that, comments aside, starts with `needle`."""
+        return next(i + 1 for i, line in enumerate(self.lines) if i + 1 >= after and line.strip().startswith(needle))
+
+
+def y(value: Any) -> str:
+    """A value as one line of YAML (JSON is YAML's flow style)."""
+    return json.dumps(value)
+
+
+# ------------------------------------------------------------------ schema-driven mutations
+
+
+def _model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model, get_args(annotation)) if m), None)
+
+
+def _is_list(annotation: Any) -> bool:
+    return get_origin(annotation) is list or any(_is_list(a) for a in get_args(annotation) if a is not type(None))
+
+
+def schema_leaves(model: type[BaseModel] = ExperimentConfig, prefix: tuple = ()):
+    """(path, FieldInfo) of every leaf field; items of a list of sections get index 0."""
+    for name, info in model.model_fields.items():
+        sub = _model(info.annotation)
+        if sub is None:
+            yield prefix + (name,), info
+        else:
+            yield from schema_leaves(sub, prefix + (name,) + ((0,) if _is_list(info.annotation) else ()))
+
+
+def sections(model: type[BaseModel] = ExperimentConfig, prefix: tuple = ()):
+    """(path, first field name) of every section, for a misspelt-key mutation."""
+    yield prefix, next(iter(model.model_fields))
+    for name, info in model.model_fields.items():
+        sub = _model(info.annotation)
+        if sub is not None and not _is_list(info.annotation):
+            yield from sections(sub, prefix + (name,))
+
+
+def _base_type(annotation: Any) -> Any:
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return _base_type(args[0]) if get_origin(annotation) not in (None, Literal, list, tuple, dict) and args \
+        else annotation
+
+
+def bad_values(info) -> list[Any]:
+    """Values the field's declared type and bounds refuse (read from the schema: the bounds are the spec)."""
+    kind = _base_type(info.annotation)
+    meta = {type(m).__name__: m for m in info.metadata}
+    pattern = next((m.pattern for m in info.metadata if getattr(m, "pattern", None)), None)
+    origin = get_origin(kind)
+    if origin is Literal:
+        return ["no-such-choice"]
+    if kind is bool:
+        return ["perhaps"]
+    if kind in (int, float):
+        step = 1 if kind is int else 0.5
+        values = []
+        if "Ge" in meta:
+            values.append(meta["Ge"].ge - step)
+        if "Gt" in meta:
+            values.append(meta["Gt"].gt)
+        if "Le" in meta:
+            values.append(meta["Le"].le + step)
+        if "Lt" in meta:
+            values.append(meta["Lt"].lt)
+        return values[:2] + ["twelve"]
+    if origin is list:
+        values = ["not-a-list"]
+        if "MinLen" in meta:
+            values.append([])
+        if "MaxLen" in meta:
+            values.append(list(range(meta["MaxLen"].max_length + 1)))
+        return values
+    if origin is tuple:
+        return ["not-a-tuple"]
+    if origin is dict:
+        return [["not", "a", "mapping"]]
+    if kind in (str, SecretStr):
+        if pattern:
+            return ["Not A Name!\tx"]
+        if "MaxLen" in meta:
+            return ["x" * (meta["MaxLen"].max_length + 1)]
+        if "MinLen" in meta:
+            return [""]
+        return [[1, 2]]
+    raise AssertionError(f"no bad value for {kind}")
+
+
+def schema_mutations() -> list[Mutation]:
+    names = sorted(SHIPPED)
+    cases: list[Mutation] = []
+    for n, (path, info) in enumerate(schema_leaves()):
+        dotted = ".".join(map(str, path))
+        for k, value in enumerate(bad_values(info)):
+            for shift in range(len(names)):  # the shipped configs in turn; the next one where the path is editable
+                name = names[(n + k + shift) % len(names)]
+                doc = Doc(SHIPPED[name])
+                line = doc.set(path, y(value))
+                if line is None and 0 in path:  # no such list item here: the list, written with one item
+                    cut = path.index(0)
+                    item = {".".join(map(str, path[cut + 1:])): value} if len(path) == cut + 2 else None
+                    line = doc.set(path[:cut], y([item])) if item else None
+                if line is not None:
+                    cases.append(Mutation(f"{dotted}={str(value)[:20]}@{name}", {name: doc.text()}, name,
+                                          f"{name}:{line}", f"{dotted}: "))
+                    break
+            else:
+                raise AssertionError(f"{dotted}: no shipped config where it can be written")
+    for n, (path, first) in enumerate(sections()):
+        dotted = ".".join(path + (first + "_x",))
+        for shift in range(len(names)):
+            name = names[(n + shift) % len(names)]
+            doc = Doc(SHIPPED[name])
+            line = doc.set(path + (first + "_x",), "1")
+            if line is not None:
+                cases.append(Mutation(f"unknown {dotted}@{name}", {name: doc.text()}, name, f"{name}:{line}",
+                                      f"{dotted}: unknown field (allowed: {first}"))  # `,` or `)`: one field
+                break
+    return cases
+
+
+# ------------------------------------------------------------------ the defects found by hand
+
+
+def edited(name: str, *edits: tuple[tuple, Any], raw: bool = False) -> tuple[str, int]:
+    """A shipped config with fields set; the text and the line of the last edit."""
+    doc = Doc(SHIPPED[name])
+    line = 0
+    for path, value in edits:
+        line = doc.set(path, value if raw else y(value))
+        assert line is not None, (name, path)
+    return doc.text(), line
+
+
+def case(name: str, config: str, edits: list, fragment: str, **kw) -> Mutation:
+    text, line = edited(config, *edits, raw=kw.pop("raw", False))
+    return Mutation(name, {config: text, **kw.pop("files", {})}, config, kw.pop("where", f"{config}:{line}"),
+                    fragment, **kw)
+
+
+def sweep_case(name: str, grid: str | None, fragment: str, *, base: str | None = None, where: str | None = None,
+               sweep: str | None = None, **kw) -> Mutation:
+    """The shipped sweep (in sweeps/) over its base (beside it); `grid` replaces the first grid entry's line."""
+    text = sweep or SWEEP
+    if grid is not None:
+        first = next(line for line in text.splitlines() if line.strip().startswith("- {deploy.speculative"))
+        text = text.replace(first, f"    - {grid}", 1)
+    doc = Doc(text)
+    where = where or f"{SWEEP_NAME}:{doc.line_of('- ', doc.line_of('grid:'))}"
+    return Mutation(name, {f"sweeps/{SWEEP_NAME}": text, SWEEP_BASE: base or SHIPPED[SWEEP_BASE], **kw.pop("files", {})},
+                    f"sweeps/{SWEEP_NAME}", where, fragment, **kw)
+
+
+def bomb(levels: int = 9) -> str:
+    """Billion laughs: each anchor lists the previous one 10 times (10**levels values expanded)."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ndescription: *a{levels - 1}\n"
+
+
+def hand_mutations() -> list[Mutation]:
+    tiny, llama, kimi = "tiny.yaml", "llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml"
+    tiny_doc = Doc(SHIPPED[tiny])
+    exp_line = tiny_doc.line_of("experiment: tiny")
+    lr_line = tiny_doc.line_of("lr: 0.02")
+    refused = {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 32}
+    adaptive = ["--speculative-adaptive", "--speculative-adaptive-config"]
+    model = {"target": (("target", "kind"), "hf"), "path": (("target", "model_path"), "@TMP@/model")}
+    cases = [
+        # sweep overrides that cannot be applied, and grid entries SGLang refuses
+        sweep_case("override through a string", '{experiment.name: x}', "sweep.grid[0]: experiment.name: experiment is a str"),
+        sweep_case("override through a list", '{bench.concurrency.0: 2}', "bench.concurrency is a list in the base"),
+        sweep_case("override through an int", '{train.epochs.x: 2}', "train.epochs is a int in the base"),
+        sweep_case("override with an empty segment", '{deploy..port: 2}', "sweep.grid[0]: deploy..port: expected a field path"),
+        sweep_case("grid entry not a mapping", "5", "sweep.grid[0]: expected a non-empty mapping"),
+        sweep_case("grid entry empty", "{}", "sweep.grid[0]: expected a non-empty mapping"),
+        sweep_case("grid entry out of bounds", "{deploy.speculative: {num_steps: 0}}",
+                   "sweep.grid[0]: deploy.speculative.num_steps: must be >= 1"),
+        sweep_case("grid entry with an unknown field", "{deploy.speculatve: {num_steps: 3}}",
+                   "sweep.grid[0]: deploy.speculatve: unknown field"),
+        sweep_case("grid entry naming another host", "{deploy.host: gpu-9}", "deploy.host 'gpu-9' is neither"),
+        sweep_case("grid entry SGLang refuses", f"{{deploy.speculative: {y(refused)}}}", "too large for the draft tree",
+                   at_load=False),
+        sweep_case("grid entry SGLang rewrites", "{deploy.speculative: {num_steps: 1, eagle_topk: 1, "
+                   "num_draft_tokens: 16}}", "deploy.speculative.num_draft_tokens: asked 16, SGLang runs 2",
+                   at_load=False),
+        sweep_case("grid empty", None, "sweep.grid: expected a non-empty list", sweep=re.sub(
+            r"  grid:\n(    - .*\n)+", "  grid: []\n", SWEEP), where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('grid:')}"),
+        sweep_case("sweep key misspelt", None, "sweep: expected a mapping with keys base, name, grid",
+                   sweep=SWEEP.replace("  name: spec-grid", "  nmae: spec-grid"),
+                   where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('sweep:')}"),
+        sweep_case("sweep name not a name", None, "sweep.name: must match", sweep=SWEEP.replace(
+            "  name: spec-grid", "  name: [spec, grid]"), where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('name:')}"),
+        sweep_case("experiment field beside the sweep", None, "experiment: a sweep file holds only `sweep`",
+                   sweep=SWEEP + "experiment: other\n", where=f"{SWEEP_NAME}:{len(SWEEP.splitlines()) + 1}"),
+        sweep_case("base missing", None, "sweep.base: ../nowhere.yaml: file not found", sweep=SWEEP.replace(
+            "../llama-3.1-8b.yaml", "../nowhere.yaml"), where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('base:')}"),
+        sweep_case("base a list", None, "sweep.base: expected the path of an experiment file", sweep=SWEEP.replace(
+            "../llama-3.1-8b.yaml", "[a, b]"), where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('base:')}"),
+        sweep_case("base a symlink loop", None, "sweep.base: ../loop.yaml: cannot read", sweep=SWEEP.replace(
+            "../llama-3.1-8b.yaml", "../loop.yaml"), links={"loop.yaml": "loop.yaml"},
+            where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('base:')}"),
+        sweep_case("base a sweep itself", None, "is a sweep file itself", sweep=SWEEP.replace(
+            "../llama-3.1-8b.yaml", SWEEP_NAME), where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('base:')}"),
+        sweep_case("base with an error the grid does not touch", None, "train.lr: must be > 0",
+                   base=edited(llama, (("train", "lr"), 0))[0],
+                   where=f"{SWEEP_BASE}:{edited(llama, (('train', 'lr'), 0))[1]}"),
+        # launch flags and model folders (validate's checks; `run` leaves them to the deploy preflight)
+        case("bench.sweep entry SGLang refuses", tiny, [(("bench", "sweep"), [refused])], "bench.sweep.0: sglang_settings",
+             at_load=False),
+        case("adaptive config missing", tiny, [(("deploy", "extra_args"), adaptive + ["@TMP@/none.json"])],
+             "deploy.extra_args: sglang_settings: FileNotFoundError", at_load=False),
+        case("adaptive config not JSON", tiny, [(("deploy", "extra_args"), adaptive + ["@TMP@/a.json"])],
+             "deploy.extra_args: sglang_settings: JSONDecodeError", at_load=False, files={"a.json": "{not json"}),
+        case("adaptive config a list", tiny, [(("deploy", "extra_args"), adaptive + ["@TMP@/a.json"])],
+             "must contain at least one integer-string BS key", at_load=False, files={"a.json": "[1, 2]"}),
+        case("target config.json truncated", tiny, [model["target"], model["path"]],
+             "target.model_path: model_config:", at_load=False,
+             files={"model/config.json": '{"architectures": ["LlamaFor'}),
+        case("target config.json a list", tiny, [model["target"], model["path"]], "expected a JSON object, found a list",
+             at_load=False, files={"model/config.json": "[1, 2]"}),
+        case("target config.json without architectures", tiny, [model["target"], model["path"]],
+             "'architectures' must be a non-empty list", at_load=False, files={"model/config.json": '{"x": 1}'}),
+        case("aux ids past the config.json depth", tiny, [model["target"], model["path"],
+                                                           (("target", "aux_layer_ids"), [1, 2, 9])],
+             "target.aux_layer_ids: model_config: target.aux_layer_ids [1, 2, 9]: id 9 is past the 4 decoder layers",
+             at_load=False, files={"model/config.json": '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}'}),
+        # what the file is made of
+        Mutation("not UTF-8", {tiny: SHIPPED[tiny].replace("description: Tiny", "description: Tin\xe9").encode("latin-1")},
+                 tiny, f"{tiny}:{tiny_doc.line_of('description:')}", "not UTF-8 text (byte 0xe9)"),
+        Mutation("UTF-16 with a BOM", {tiny: SHIPPED[tiny].encode("utf-16")}, tiny, f"{tiny}:1", "UTF-16 text"),
+        Mutation("UTF-16 without a BOM", {tiny: SHIPPED[tiny].encode("utf-16-le")}, tiny, f"{tiny}:1", "NUL byte"),
+        Mutation("control character", {tiny: SHIPPED[tiny].replace("Tiny CPU", "Tiny\x07CPU")}, tiny,
+                 f"{tiny}:{tiny_doc.line_of('description:')}", "control characters are not allowed"),
+        Mutation("a list, not a mapping", {tiny: "- experiment: tiny\n"}, tiny, f"{tiny}:1", "must be a mapping"),
+        Mutation("empty file", {tiny: ""}, tiny, f"{tiny}:1", "must be a mapping of sections"),
+        Mutation("two documents", {tiny: SHIPPED[tiny] + "---\nexperiment: x\n"}, tiny,
+                 f"{tiny}:{len(SHIPPED[tiny].splitlines()) + 1}", "expected a single document"),
+        Mutation("tab indentation", {tiny: SHIPPED[tiny].replace("  lr: 0.02", "\tlr: 0.02")}, tiny, f"{tiny}:{lr_line}",
+                 "invalid YAML"),
+        case("unclosed flow list", tiny, [(("bench", "concurrency"), "[1, 2")], "invalid YAML", raw=True),
+        case("python tag", tiny, [(("description",), "!!python/object/apply:os.system [echo]")],
+             "could not determine a constructor", raw=True),
+        case("impossible date", tiny, [(("description",), "2024-13-45")], "cannot read the value '2024-13-45'", raw=True),
+        case("5000-digit integer", tiny, [(("train", "max_steps"), "9" * 5000)], "cannot read the value", raw=True),
+        Mutation("nested 200 levels", {tiny: SHIPPED[tiny] + "description: " + "[" * 200 + "]" * 200 + "\n"}, tiny,
+                 f"{tiny}:{len(SHIPPED[tiny].splitlines()) + 1}", "nested more than 32 levels deep", heavy=True),
+        Mutation("nested 100000 levels", {tiny: SHIPPED[tiny] + "description: " + "[" * 100_000 + "]" * 100_000 + "\n"},
+                 tiny, f"{tiny}:{len(SHIPPED[tiny].splitlines()) + 1}", "invalid YAML", heavy=True),
+        Mutation("mappings nested 40 deep", {tiny: SHIPPED[tiny] + "".join("  " * i + f"k{i}:\n" for i in range(40))},
+                 tiny, f"{tiny}:{len(SHIPPED[tiny].splitlines()) + 32}", "nested more than 32 levels deep", heavy=True),
+        case("anchor containing its alias", tiny, [(("description",), "&d [1, *d]")], "alias *d is used inside", raw=True),
+        case("mapping anchor containing its alias", tiny, [(("target", "tiny"), "&t {x: *t}")], "alias *t is used inside",
+             raw=True),
+        Mutation("alias bomb", {tiny: SHIPPED[tiny] + bomb()}, tiny, None, "aliases expand this node to more than",
+                 heavy=True),
+        Mutation("50 MB file", {tiny: SHIPPED[tiny] + "description: " + "x" * 50_000_000 + "\n"}, tiny, None,
+                 "more than 256 KiB", heavy=True),
+        case("200 KB string", tiny, [(("description",), "y" * 200_000)], "(200000 characters)", heavy=True),
+        Mutation("config a symlink loop", {}, "loop.yaml", None, "cannot read the file", links={"loop.yaml": "loop.yaml"}),
+        Mutation("config a directory", {"dir.yaml/x": ""}, "dir.yaml", None, "not a regular file"),
+        # Rich markup and regex brackets reach the terminal as written
+        case("closing markup tag", tiny, [(("experiment",), "[/x]")], "(got '[/x]')"),
+        case("markup in a name", tiny, [(("experiment",), "[bold red]boom[/]")], "(got '[bold red]boom[/]')"),
+        case("regex in the reason", tiny, [(("experiment",), "Tiny Name")], "must match pattern '^[a-z0-9][a-z0-9_.-]{0,63}$'"),
+        # hosts: jump hosts, addresses, ports
+        case("unknown jump host", llama, [(("hosts", 0, "jump_host"), "bastion")], "hosts.0.jump_host 'bastion' is neither"),
+        case("jump host to itself", llama, [(("hosts", 0, "jump_host"), "gpu-1")], "gpu-1 -> gpu-1 is a loop"),
+        case("jump host port out of range", kimi, [(("hosts", 0, "jump_host"), "ops@bastion:70000")],
+             "hosts.0.jump_host: the port of ops@bastion:70000 must be between 1 and 65535"),
+        case("address with a space", llama, [(("hosts", 0, "address"), "gpu node 01")], "hosts.0.address: must match"),
+        case("address with a newline", kimi, [(("hosts", 0, "address"), "gpu\nnode")], "hosts.0.address: must match"),
+        case("user with a space", llama, [(("hosts", 0, "user"), "ubu ntu")], "hosts.0.user: must match"),
+        case("workdir with a newline", kimi, [(("hosts", 0, "workdir"), "/scratch\nrm -rf /")], "hosts.0.workdir: must match"),
+        case("endpoint with a space", tiny, [(("data", "regenerate", "backend"), "http"),
+                                              (("data", "regenerate", "endpoint"), "http://gpu 1:8000")],
+             "data.regenerate.endpoint: must match"),
+        case("endpoints with a newline", tiny, [(("data", "regenerate", "backend"), "sglang"),
+                                                 (("data", "regenerate", "endpoints"), ["http://a:1", "http://b\n:2"])],
+             "data.regenerate.endpoints.1: must match"),
+        case("tracking uri with a space", llama, [(("tracking", "uri"), "http://127.0.0.1: 5000")], "tracking.uri: must match"),
+        case("deploy host not a name", tiny, [(("deploy", "host"), "gpu 1")], "deploy.host: must match"),
+        case("train node not a name", tiny, [(("train", "nodes"), ["GPU-1"])], "train.nodes.0: must match"),
+        case("rendezvous port out of range", llama, [(("train", "rendezvous"), "10.0.0.11:99999")],
+             "train.rendezvous 10.0.0.11:99999: the port must be between 1 and 65535"),
+        # ${...} that would be kept literally
+        case("unclosed reference", llama, [(("hosts", 0, "address"), "${EAGLEOPS_GPU_HOST")],
+             "hosts.0.address: malformed reference in '${EAGLEOPS_GPU_HOST'"),
+        case("reference starting with a digit", kimi, [(("hosts", 0, "key_passphrase"), "${1PASS}")],
+             "hosts.0.key_passphrase: malformed reference"),
+        case("unclosed default", tiny, [(("description",), "${HOME:-x")], "description: malformed reference"),
+        case("unset variable", tiny, [(("description",), "${EAGLEOPS_CORPUS_UNSET_VARIABLE}")],
+             "description: environment variable EAGLEOPS_CORPUS_UNSET_VARIABLE is not set"),
+        # seeds, layer ids, duplicate keys
+        case("seed past 2**32", tiny, [(("train", "seed"), 2**64)], "train.seed: must be <= 4294967295"),
+        case("data seed negative", llama, [(("data", "seed"), -1)], "data.seed: must be >= 0"),
+        case("tiny aux id past the layers", tiny, [(("target", "aux_layer_ids"), [1, 3, 7])],
+             "target.aux_layer_ids [1, 3, 7]: id 7 is past the tiny target's layers"),
+        case("shape aux id past the layers", llama, [(("target", "aux_layer_ids"), [1, 15, 40])],
+             "target.aux_layer_ids [1, 15, 40]: id 40 is past the target's target.shape.num_hidden_layers 32"),
+        case("aux id repeated", kimi, [(("target", "aux_layer_ids"), [2, 2, 30])], "target.aux_layer_ids [2, 2, 30]: [2] repeated"),
+        Mutation("duplicate key", {tiny: SHIPPED[tiny].replace("  lr: 0.02", "  lr: 0.02\n  lr: 0.03")}, tiny,
+                 f"{tiny}:{lr_line + 1}", f"train.lr: duplicate key (first at line {lr_line})"),
+        Mutation("duplicate section", {tiny: SHIPPED[tiny] + "experiment: other\n"}, tiny,
+                 f"{tiny}:{len(SHIPPED[tiny].splitlines()) + 1}", f"experiment: duplicate key (first at line {exp_line})"),
+        case("misspelt section", kimi, [(("deploi",), "{}")], "deploi: unknown field (allowed: experiment,", raw=True),
+    ]
+    return cases
+
+
+CORPUS = schema_mutations() + hand_mutations()
+
+
+# ------------------------------------------------------------------ running one case
+
+
+def write_case(mutation: Mutation, folder: Path) -> Path:
+    for rel, content in mutation.files.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, str):
+            content = content.replace("@TMP@", str(folder)).encode()
+        path.write_bytes(content)
+    for link, target in mutation.links.items():
+        (folder / link).symlink_to(target)
+    return folder / mutation.entry
+
+
+def answer(args: list[str], heavy: bool) -> tuple[Any, float, int]:
+    """The CLI's answer, its wall time and (for heavy cases) the Python memory peak in bytes."""
+    if heavy:
+        tracemalloc.start()
+    start = time.perf_counter()
+    result = runner.invoke(app, args, env={"COLUMNS": "200", "EAGLEOPS_CORPUS_UNSET_VARIABLE": None})
+    wall = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1] if heavy else 0
+    if heavy:
+        tracemalloc.stop()
+    return result, wall, peak
+
+
+def check_answer(mutation: Mutation, result, wall: float, peak: int) -> None:
+    output = result.output
+    assert result.exit_code == 2, (mutation.name, output[-3000:])
+    assert "Traceback" not in output and (result.exception is None or isinstance(result.exception, SystemExit)), (
+        mutation.name, result.exception)
+    # a hang guard (a bad file must not make validate wait on it), not a speed figure: CI's 2 loaded cores
+    # took 1.04 s for an ordinary case
+    assert wall < 10.0, (mutation.name, f"{wall:.2f}s")
+    assert peak < 64 * 2**20, (mutation.name, f"{peak / 2**20:.0f} MiB peak")
+    errors = [line for line in output.splitlines() if line.startswith("error ")]
+    assert errors, (mutation.name, output[-2000:])
+    assert all(len(line) < 2000 for line in errors), (mutation.name, "an error line echoes too much")
+    if mutation.where is None:
+        located = [line for line in errors if re.match(rf"^error \S*{re.escape(mutation.entry)}(:\d+)?: ", line)]
+    else:
+        file, line = mutation.where.rsplit(":", 1)
+        located = [e for e in errors if re.match(rf"^error (\S*/)?{re.escape(file)}:{line}: ", e)]
+    assert any(mutation.fragment in e for e in located), (mutation.name, mutation.where, mutation.fragment, errors)
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def command_built_once():
+    """Typer's CliRunner rebuilds the click command on every call (11 ms, a third of a case): build it once."""
+    import typer.main
+
+    command = typer.main.get_command(app)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("typer.testing._get_command", lambda _: command)
+        yield
+
+
+def test_the_corpus_is_large_and_starts_from_configs_that_validate(tmp_path):
+    assert len(CORPUS) >= 150
+    assert len({m.name for m in CORPUS}) == len(CORPUS)
+    for name, text in {**SHIPPED, f"sweeps/{SWEEP_NAME}": SWEEP}.items():  # so each exit 2 is the mutation's
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    for name in [*SHIPPED, f"sweeps/{SWEEP_NAME}"]:
+        result = runner.invoke(app, ["validate", str(tmp_path / name)])
+        assert result.exit_code == 0, (name, result.output[-2000:])
+
+
+@pytest.mark.parametrize("mutation", CORPUS, ids=[m.name for m in CORPUS])
+def test_validate_answers_a_bad_config_in_one_line(mutation, tmp_path):
+    path = write_case(mutation, tmp_path)
+    check_answer(mutation, *answer(["validate", str(path)], mutation.heavy))
+
+
+RUN_CASES = [m for m in CORPUS if m.at_load][::5]  # every fifth: the same loader, another command
+
+
+@pytest.mark.parametrize("mutation", RUN_CASES, ids=[m.name for m in RUN_CASES])
+def test_run_refuses_a_bad_config_before_starting(mutation, tmp_path):
+    path = write_case(mutation, tmp_path)
+    check_answer(mutation, *answer(["run", str(path)], mutation.heavy))
+
+
+def test_run_refuses_a_sweep_variant_that_does_not_exist(tmp_path):
+    mutation = sweep_case("variant out of range", None, "sweep.grid: 5 variants; choose one with variant 0..4",
+                          where=f"{SWEEP_NAME}:{Doc(SWEEP).line_of('grid:')}")
+    path = write_case(mutation, tmp_path)
+    check_answer(mutation, *answer(["run", str(path), "--variant", "7"], False))

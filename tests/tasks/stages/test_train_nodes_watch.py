@@ -1,0 +1,107 @@
+"""tasks/stages/train/nodes.py without a training: the default rendezvous address (`_master`) and the stall
+timeout of the watch loop (`_watch`), with real launcher processes on this machine and a real sshd.
+
+A node's host name and the executor that reaches it are separate in `Node`, so a process here can play
+a remote node; the one environment value faked is SSH_CONNECTION, the address a remote sshd would see.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tasks.stages.train.nodes as train_nodes
+from tasks.config.load import load_experiment
+from tasks.hosts.remote import LocalExecutor, connect
+from tasks.stages.train.nodes import (
+    DEFAULT_MASTER_PORT,
+    Node,
+    NodeFailed,
+    _master,
+    _watch,
+)
+from tests.helpers import TEST_TARGET_YAML
+from tests.tasks.hosts.remote.helpers import live_processes
+
+CONFIG = """\
+experiment: nodes-unit
+runs_root: {runs}
+{target}data: {{draft_vocab_size: 64}}
+train: {{nodes: {nodes}{rendezvous}}}
+hosts:
+  - {{name: gpu-2, address: gpu-2.example, user: ubuntu}}
+  - {{name: gpu-3, address: 10.9.9.9, user: ubuntu, jump_host: gpu-2}}
+{extra}"""
+
+
+def config(tmp_path: Path, nodes: str, rendezvous: str = "", extra: str = ""):
+    path = tmp_path / "nodes.yaml"
+    path.write_text(CONFIG.format(runs=tmp_path / "runs", target=TEST_TARGET_YAML, nodes=nodes, extra=extra,
+                                  rendezvous=f", rendezvous: {rendezvous!r}" if rendezvous else ""))
+    return load_experiment(path)
+
+
+def node(rank: int, host: str, executor, root: Path) -> Node:
+    return Node(rank, host, str(root / f"node-{rank}"), sys.executable, "", executor)
+
+
+def test_default_rendezvous_is_node_0_as_the_other_nodes_reach_it(tmp_path, monkeypatch):
+    local = LocalExecutor()
+    cfg = config(tmp_path, "[local, gpu-2]")
+    assert _master(config(tmp_path, "[local, local]"), [node(0, "local", local, tmp_path)] * 2) == \
+        ("127.0.0.1", DEFAULT_MASTER_PORT)
+    assert _master(config(tmp_path, "[gpu-2, local]"), [node(0, "gpu-2", local, tmp_path)]) == \
+        ("gpu-2.example", DEFAULT_MASTER_PORT)
+    assert _master(config(tmp_path, "[local, gpu-2]", "10.0.0.5:29999"), [node(0, "local", local, tmp_path)]) == \
+        ("10.0.0.5", 29999)
+    # node 0 here, node 1 remote: the address node 1's sshd sees this machine connect from, never 127.0.0.1
+    monkeypatch.setenv("SSH_CONNECTION", "10.1.2.3 40122 10.1.2.4 22")
+    nodes = [node(0, "local", local, tmp_path), node(1, "gpu-2", local, tmp_path)]
+    assert _master(cfg, nodes) == ("10.1.2.3", DEFAULT_MASTER_PORT)
+    monkeypatch.setenv("SSH_CONNECTION", "")
+    with pytest.raises(NodeFailed, match="train.rendezvous: node 1 \\(gpu-2\\) does not say"):
+        _master(cfg, nodes)
+    with pytest.raises(NodeFailed, match="train.rendezvous: node 1 \\(gpu-3\\) is reached through jump host gpu-2"):
+        _master(config(tmp_path, "[local, gpu-3]"), [node(0, "local", local, tmp_path), node(1, "gpu-3", local, tmp_path)])
+
+
+def test_default_rendezvous_over_a_real_sshd_is_this_end_of_the_connection(tmp_path, sshd):
+    host = sshd.host_config()
+    extra = (f"  - {{name: testhost, address: 127.0.0.1, port: {host.port}, user: {host.user}, key_file: {host.key_file},"
+             f" known_hosts: {host.known_hosts}}}\n")
+    cfg = config(tmp_path, "[local, testhost]", extra=extra)
+    with connect(host) as ssh:
+        this_end = ssh._client.get_transport().sock.getsockname()[0]  # the socket's own local address
+        assert _master(cfg, [node(0, "local", LocalExecutor(), tmp_path), node(1, "testhost", ssh, tmp_path)]) == \
+            (this_end, DEFAULT_MASTER_PORT)
+
+
+def test_a_launcher_that_hangs_without_exiting_fails_the_stage_naming_the_node(tmp_path, monkeypatch):
+    """Node 0 logs steps for ~2 s then blocks (as at a collective); node 1 never logs (hung at start). With
+    train.stall_timeout_s 1: no failure while node 0 writes, then one naming node 1, silent longest."""
+    monkeypatch.setattr(train_nodes, "POLL_S", 0.2)
+    local = LocalExecutor()
+    nodes = [node(0, "local", local, tmp_path), node(1, "gpu-2", local, tmp_path)]
+    scripts = ["for i in 1 2 3 4 5; do echo step $i; sleep 0.4; done; exec sleep 3511", "exec sleep 3512"]
+    for each, script in zip(nodes, scripts):
+        os.makedirs(each.root)
+        each.pid = local.start_detached(["sh", "-c", script], log_file=each.log_file,
+                                        pid_file=os.path.join(each.root, "node.pid"))
+    started = time.monotonic()
+    try:
+        with pytest.raises(NodeFailed) as failure:
+            _watch(nodes, lambda step, row: None, lambda what, done, total: None, 10, stall_timeout_s=1.0)
+        took = time.monotonic() - started
+    finally:
+        for each in nodes:
+            local.kill_group(each.pid)
+    message = str(failure.value)
+    assert message.startswith("training stalled: no node logged anything and no metrics came for 1 s "
+                              "(train.stall_timeout_s)"), message
+    assert f"silent longest: node 1 (gpu-2), launcher pid {nodes[1].pid}" in message
+    assert 2.0 < took < 8, took  # node 0's lines kept it alive; then about a second of silence
+    assert live_processes("sleep 351") == []
