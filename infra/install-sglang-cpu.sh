@@ -67,6 +67,12 @@ STAMP_TEXT="${TORCH_SPECS[*]} $SGLANG_SPEC ${IMPORT_NEEDS[*]} sgl_kernel-stub-1"
 STAMP="$VENV_DIR/.eagleops-sglang-cpu-installed"
 LOG="$VENV_DIR/install.log"
 
+# One install at a time per venv (parallel test workers, or the suite's early background install and
+# a fixture): the second waits for the first, then finds the stamp and returns.
+mkdir -p "$(dirname "$VENV_DIR")"
+exec 9>"$VENV_DIR.lock"
+flock 9
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$STAMP_TEXT" && -x "$VENV_DIR/bin/python" ]]; then
     exit 0
 fi

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -43,6 +44,32 @@ gc.disable()
 def pytest_collection_finish(session):
     gc.freeze()
     gc.enable()
+    if any("sglang_python" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_sglang_install()
+
+
+# The CPU SGLang venv (infra/install-sglang-cpu.sh) takes minutes to install on a new machine, mostly
+# downloads. Its install starts in the background once the session knows a test needs it, so it overlaps
+# the tests before that one; the `sglang_python` fixture then runs the installer itself, which waits for
+# the background one (the script holds a lock per venv) and returns at once when it finished.
+SGLANG_VENV = Path(os.environ.get("EAGLEOPS_SGLANG_VENV") or Path.home() / ".cache" / "eagleops" / "sglang-cpu-venv")
+SGLANG_INSTALLER = REPO / "infra" / "install-sglang-cpu.sh"
+_background_install: subprocess.Popen | None = None
+
+
+def _start_sglang_install() -> None:
+    global _background_install
+    if not (SGLANG_VENV / ".eagleops-sglang-cpu-installed").is_file():
+        _background_install = subprocess.Popen(["bash", str(SGLANG_INSTALLER), str(SGLANG_VENV)],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                               start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    """A background install still running when the session ends (a subset of tests, Ctrl-C) is stopped."""
+    if _background_install is not None and _background_install.poll() is None:
+        os.killpg(_background_install.pid, signal.SIGTERM)
+        _background_install.wait(timeout=30)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -97,9 +124,8 @@ def mlflow_server(tmp_path_factory):
 def sglang_python() -> Path:
     """Python of the CPU SGLang 0.5.23 venv (infra/install-sglang-cpu.sh), installed once per machine
     (the installer is idempotent) under ~/.cache/eagleops/sglang-cpu-venv or $EAGLEOPS_SGLANG_VENV."""
-    venv = Path(os.environ.get("EAGLEOPS_SGLANG_VENV") or Path.home() / ".cache" / "eagleops" / "sglang-cpu-venv")
-    installer = REPO / "infra" / "install-sglang-cpu.sh"
-    proc = subprocess.run(["bash", str(installer), str(venv)], capture_output=True, text=True, timeout=1800)
+    venv = SGLANG_VENV
+    proc = subprocess.run(["bash", str(SGLANG_INSTALLER), str(venv)], capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         pytest.skip(f"SGLang 0.5.23 CPU venv could not be installed at {venv} (needs PyPI; set "
                     f"EAGLEOPS_SGLANG_VENV to an installed one): {proc.stderr.strip()[-1500:]}")
