@@ -1,6 +1,17 @@
 """The reference server's HTTP API: SGLang's endpoints (`/generate` incl. batches, `n` and
 streaming, `/v1/completions`, `/v1/chat/completions`, `/server_info`, `/health`,
-`/health_generate`, `/flush_cache`, `/metrics`) and their response and error shapes.
+`/health_generate`, `/flush_cache`, `/metrics`, `/configure_logging`) and their response and
+error shapes.
+
+Request dumps (`eagle3.serving.request_dumps`): `/configure_logging` with `dump_requests_folder`
+and `dump_requests_threshold` turns them on; every finished request of `/generate`,
+`/v1/completions` and `/v1/chat/completions` is recorded with the GenerateReqInput SGLang's
+entrypoint would have built for it: /generate's own fields (`text` or `input_ids`, the
+`sampling_params` sent), a completion's string prompt as `text` and token prompt as `input_ids`,
+a chat's template ids as `input_ids` (SGLang's serving_chat on a text-only model). /generate's
+`return_prompt_token_ids` adds `prompt_token_ids` to its answer (and so to the dump), as in
+SGLang. `/configure_logging` answers an empty 200 (SGLang's); a body that does not fit, a bad
+`log_level` or a dump folder that cannot be created is a 400 flat ErrorResponse naming it.
 
 A prompt of >= context-length tokens, or prompt + max_new_tokens > context length, is refused
 (SGLang's check when --allow-auto-truncate is off; this server has no truncation). Streamed
@@ -52,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -65,10 +77,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from eagle3.serving.decoding import SamplingParams
+from eagle3.serving.request_dumps import GenerateReqInput
 from eagle3.serving.requests import (
     ChatBody,
     ClientGone,
     CompletionBody,
+    ConfigureLoggingBody,
     GenerateBody,
     InternalError,
     NotReady,
@@ -260,7 +274,8 @@ def build_app(scheduler: Scheduler, settings: ServerSettings) -> FastAPI:
 
 
 def _add_admin_routes(app: FastAPI, scheduler: Scheduler, settings: ServerSettings) -> None:
-    """/health, /health_generate, /server_info, /get_server_info, /v1/models, /flush_cache, /metrics."""
+    """/health, /health_generate, /server_info, /get_server_info, /v1/models, /flush_cache, /metrics,
+    /configure_logging."""
     started = time.time()
 
     @app.get("/health")
@@ -300,10 +315,47 @@ def _add_admin_routes(app: FastAPI, scheduler: Scheduler, settings: ServerSettin
                                 "or waiting requests, the operation will not be performed.)\n",
                         status_code=200 if scheduler.flush() else 400)
 
+    @app.api_route("/configure_logging", methods=["GET", "POST"])
+    async def configure_logging(request: Request):
+        return await _answer(lambda: _configure_logging(request, scheduler), openai_error_body)
+
     if settings.args.enable_metrics:
         @app.get("/metrics")
         async def metrics():
             return Response(generate_latest(scheduler.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _configure_logging(request: Request, scheduler: Scheduler) -> Response:
+    """SGLang's TokenizerManager.configure_logging: set what the body sets; request logging is not
+    implemented here (its fields are accepted and logged), the dump fields are."""
+    body = await _body_of(request, ConfigureLoggingBody)
+    level = _log_level(body.log_level) if body.log_level is not None else None
+    if body.dump_requests_folder:
+        await asyncio.to_thread(_make_dump_folder, body.dump_requests_folder)
+    scheduler.dumps.configure(body.dump_requests_folder, body.dump_requests_threshold,
+                              body.dump_requests_exclude_meta_keys)
+    if level is not None:
+        logging.getLogger().setLevel(level)
+    fields = ", ".join(f"{k}={v!r}" for k, v in body.model_dump().items())
+    logger.info(f"Config logging: obj=ConfigureLoggingReq({fields})")
+    return Response(status_code=200)
+
+
+def _log_level(name: str) -> int:
+    level = logging.getLevelName(name.upper())
+    if not isinstance(level, int):
+        raise RequestError(f"log_level: unknown level {name!r}; expected one of debug, info, warning, error, "
+                           f"critical")
+    return level
+
+
+def _make_dump_folder(folder: str) -> None:
+    """Create the dump folder now, so a folder that cannot exist is the request's 400 (SGLang finds out
+    only when its first dump fails in the background)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise RequestError(f"dump_requests_folder: cannot create {folder!r}: {e.strerror or e}") from e
 
 
 def _add_generation_routes(app: FastAPI, scheduler: Scheduler, settings: ServerSettings) -> None:
@@ -327,11 +379,14 @@ async def _generate(request: Request, scheduler: Scheduler, settings: ServerSett
     body = await _body_of(request, GenerateBody)
     sampling = _validated(SamplingBody, body.sampling_params, "sampling_params")
     batch = _is_batch(body) or sampling.n > 1  # SGLang turns a single prompt with n > 1 into a batch
-    prompts = [_check_prompt(ids, name, sampling.max_new_tokens, scheduler, settings)
-               for name, ids in await _generate_prompts(body, scheduler)]
+    named = await _generate_prompts(body, scheduler)
+    prompts = [_check_prompt(ids, name, sampling.max_new_tokens, scheduler, settings) for name, ids, _ in named]
     prompts = prompts * sampling.n  # SGLang's parallel-sampling order: [p0, p1, p0, p1] for n=2
+    texts = [text for _, _, text in named] * sampling.n
     sp, stops = _sampling(sampling)
-    reqs = _submit(scheduler, _batch_rids(body.rid, len(prompts), batch), prompts, sp, stops, body.stream)
+    rids = _batch_rids(body.rid, len(prompts), batch)
+    reqs = _submit(scheduler, rids, prompts, sp, stops, body.stream, _generate_origins(body, rids, prompts, texts),
+                   body.return_prompt_token_ids)
     if body.stream:
         return StreamingResponse(_sse(_generate_chunks(reqs, scheduler, batch), generate_error_body),
                                  media_type="text/event-stream")
@@ -343,8 +398,9 @@ def _is_batch(body: GenerateBody) -> bool:
     return isinstance(body.text, list) or (bool(body.input_ids) and isinstance(body.input_ids[0], list))
 
 
-async def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tuple[str, list[int]]]:
-    """(field name, token ids) per prompt; messages as GenerateReqInput.normalize_batch_and_arguments."""
+async def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tuple[str, list[int], str | None]]:
+    """(field name, token ids, the text or None) per prompt; messages as
+    GenerateReqInput.normalize_batch_and_arguments."""
     if body.text is None and body.input_ids is None:
         raise RequestError("Either text or input_ids should be provided.")
     if body.text is not None and body.input_ids is not None:
@@ -353,11 +409,19 @@ async def _generate_prompts(body: GenerateBody, scheduler: Scheduler) -> list[tu
     value = body.text if body.text is not None else body.input_ids
     if not value:
         raise RequestError(f"{field_name} cannot be empty.")
-    if not _is_batch(body):
-        return [(field_name, await _encode(scheduler, value, field_name) if field_name == "text" else list(value))]
-    named = [(f"{field_name}[{i}]", item) for i, item in enumerate(value)]
-    return [(name, await _encode(scheduler, item, name) if field_name == "text" else list(item))
-            for name, item in named]
+    named = [(f"{field_name}[{i}]", item) for i, item in enumerate(value)] if _is_batch(body) else [(field_name, value)]
+    if field_name == "text":
+        return [(name, await _encode(scheduler, item, name), item) for name, item in named]
+    return [(name, list(item), None) for name, item in named]
+
+
+def _generate_origins(body: GenerateBody, rids: list[str], prompts: list[list[int]],
+                      texts: list[str | None]) -> list[GenerateReqInput]:
+    """What SGLang's tokenizer manager holds per sub-request (`obj[i]`): its text, or its ids when sent as ids."""
+    return [GenerateReqInput(rid=rid, text=text, input_ids=None if text is not None else ids,
+                             sampling_params=body.sampling_params, stream=body.stream,
+                             return_prompt_token_ids=body.return_prompt_token_ids, received_time=time.time())
+            for rid, ids, text in zip(rids, prompts, texts)]
 
 
 def _batch_rids(rid: str | None, count: int, batch: bool) -> list[str]:
@@ -375,11 +439,15 @@ def _sampling(sp: SamplingBody) -> tuple[SamplingParams, tuple[str, ...]]:
 
 
 def _submit(scheduler: Scheduler, rids: list[str], prompts: list[list[int]], sp: SamplingParams,
-            stops: tuple[str, ...], stream: bool) -> list[ServeRequest]:
-    """Queue one HTTP call's requests together; they share one event queue."""
+            stops: tuple[str, ...], stream: bool, origins: list[GenerateReqInput] | None = None,
+            return_prompt_token_ids: bool = False) -> list[ServeRequest]:
+    """Queue one HTTP call's requests together; they share one event queue. origins: what a request dump
+    records per request (None: never dumped)."""
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    reqs = [ServeRequest(rid, ids, sp, stops, stream, loop, events, index=i)
-            for i, (rid, ids) in enumerate(zip(rids, prompts))]
+    origins = origins or [None] * len(rids)
+    reqs = [ServeRequest(rid, ids, sp, stops, stream, loop, events, index=i, origin=origin,
+                         return_prompt_token_ids=return_prompt_token_ids)
+            for i, (rid, ids, origin) in enumerate(zip(rids, prompts, origins))]
     scheduler.submit(reqs)
     return reqs
 
@@ -431,7 +499,8 @@ async def _generate_chunks(reqs: list[ServeRequest], scheduler: Scheduler, batch
 async def _completions(request: Request, scheduler: Scheduler, settings: ServerSettings):
     body = await _body_of(request, CompletionBody)
     ids = list(body.prompt) if isinstance(body.prompt, list) else await _encode(scheduler, body.prompt, "prompt")
-    return await _openai(request, scheduler, settings, body, ids, chat=False)
+    text = body.prompt if isinstance(body.prompt, str) else None
+    return await _openai(request, scheduler, settings, body, ids, chat=False, text=text)
 
 
 async def _chat_completions(request: Request, scheduler: Scheduler, settings: ServerSettings):
@@ -442,17 +511,19 @@ async def _chat_completions(request: Request, scheduler: Scheduler, settings: Se
 
 
 async def _openai(request: Request, scheduler: Scheduler, settings: ServerSettings, body: _OpenAIBody,
-                  ids: list[int], chat: bool):
-    """Shared /v1/completions and /v1/chat/completions handling."""
+                  ids: list[int], chat: bool, text: str | None = None):
+    """Shared /v1/completions and /v1/chat/completions handling (text: a completion's string prompt)."""
     requested = body.max_completion_tokens or body.max_tokens
     _check_prompt(ids, "messages" if chat else "prompt", requested, scheduler, settings)
-    sampling = _validated(SamplingBody, {
+    sampling_params = {
         "max_new_tokens": requested or settings.context_length - len(ids), "temperature": body.temperature,
         "top_p": body.top_p, "top_k": body.top_k, "ignore_eos": body.ignore_eos, "stop": body.stop,
-        "seed": body.seed}, "")
-    sp, stops = _sampling(sampling)
+        "seed": body.seed}
+    sp, stops = _sampling(_validated(SamplingBody, sampling_params, ""))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    req = _submit(scheduler, [rid], [ids], sp, stops, body.stream)[0]
+    origin = GenerateReqInput(rid=rid, text=text, input_ids=None if text is not None else ids,
+                              sampling_params=sampling_params, stream=body.stream, received_time=time.time())
+    req = _submit(scheduler, [rid], [ids], sp, stops, body.stream, [origin])[0]
     model = body.model or settings.served_model_name
     if body.stream:
         return StreamingResponse(_sse(_openai_chunks(req, scheduler, body, model, chat), openai_stream_error_chunk),

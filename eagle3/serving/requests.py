@@ -1,5 +1,5 @@
 """The request bodies of SGLang's endpoints (`/generate`, `/v1/completions`,
-`/v1/chat/completions`) as the reference server checks them, and the errors raised while
+`/v1/chat/completions`, `/configure_logging`) as the reference server checks them, and the errors raised while
 answering a request (each maps to one HTTP status in `eagle3.serving.http_api`).
 
 Bounds SGLang does not set (deliberate: each is a 400 naming the field instead of what SGLang
@@ -50,6 +50,7 @@ class GenerateBody(_Body):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    return_prompt_token_ids: bool = False
 
 
 class _OpenAIBody(_Body):
@@ -80,6 +81,23 @@ class ChatMessage(_Body):
 
 class ChatBody(_OpenAIBody):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class ConfigureLoggingBody(_Body):
+    """/configure_logging's schema: SGLang's ConfigureLoggingReq (srt/managers/io_struct.py); None = unchanged.
+
+    Deliberately stricter than SGLang: a threshold below 1 is a 400 (SGLang takes it and dumps
+    on every request); log_level is checked while handling (SGLang's setLevel raises: a 500).
+    """
+
+    log_requests: bool | None = None
+    log_requests_level: int | None = None
+    log_requests_format: str | None = None
+    log_level: str | None = None
+    dump_requests_folder: str | None = None
+    dump_requests_threshold: int | None = Field(None, ge=1)
+    crash_dump_folder: str | None = None
+    dump_requests_exclude_meta_keys: list[str] | None = None
 
 
 class RequestError(ValueError):

@@ -5,8 +5,9 @@ decoded round-robin, one target forward per running request per decode iteration
 progress together and `#running-req` means what it means in SGLang. Extra requests queue, never
 get rejected. Each request keeps its own KV caches (batch size 1 per forward). One HTTP call's
 requests (a batch of prompts, times `sampling_params.n`, SGLang's parallel sampling, ordered
-[p0, p1, p0, p1]) enter the queue together. Also owns SGLang's Prometheus metrics and its
-periodic decode log line.
+[p0, p1, p0, p1]) enter the queue together. Also owns SGLang's Prometheus metrics, its
+periodic decode log line, and hands each finished request to the request dumper
+(`eagle3.serving.request_dumps`, on after `/configure_logging`).
 
 Risk: drift from SGLang's names and formats (`srt/managers/scheduler_components/
 metrics_reporter.py`, `srt/observability/metrics_collector.py`); the decode line is checked
@@ -27,6 +28,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from eagle3.serving.decoding import GenerationResult, RequestState, SamplingParams, SpecConfig, SpeculativeEngine
+from eagle3.serving.request_dumps import GenerateReqInput, RequestDumper
 from eagle3.serving.requests import InternalError
 from eagle3.serving.settings import ServerSettings, load_engine
 
@@ -60,6 +62,9 @@ class ServeRequest:
     text: str = ""
     first_token_at: float | None = None
     index: int = 0  # position in its HTTP call's batch
+    origin: GenerateReqInput | None = None  # what a request dump records; None: never dumped (health checks)
+    return_prompt_token_ids: bool = False
+    created_time: float = field(default_factory=time.time)  # wall clock, as dumps record it
 
     def emit(self, kind: str, payload: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
@@ -141,6 +146,7 @@ class Scheduler(threading.Thread):
         self.settings = settings
         self.metrics = Metrics(settings.served_model_name, settings.spec)
         self.stats = DecodeStats()
+        self.dumps = RequestDumper(settings.dump_server_args())
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.on_load_error = lambda: None  # set by main(): stops the HTTP server
@@ -291,7 +297,10 @@ class Scheduler(threading.Thread):
         self._remove(req)
         self.metrics.spec_verify_calls.inc(req.state.stats.verify_ct)
         self.metrics.e2e.observe(time.perf_counter() - req.received_at)
-        req.emit("done", self._payload(req, final=True))
+        payload = self._payload(req, final=True)
+        if req.origin is not None:
+            self.dumps.record(req.origin, payload, req.created_time, time.time())
+        req.emit("done", payload)
 
     def _remove(self, req: ServeRequest) -> None:
         with self._cv:
@@ -316,7 +325,10 @@ class Scheduler(threading.Thread):
             spec = self.settings.spec
             if spec is not None and st.stats.verify_ct:
                 meta.update(spec_meta(self.engine.result(st), spec))
-        return {"text": req.text, "output_ids": list(st.output_ids), "meta_info": meta}
+        out = {"text": req.text, "output_ids": list(st.output_ids), "meta_info": meta}
+        if req.return_prompt_token_ids:  # SGLang adds them to every chunk
+            out["prompt_token_ids"] = list(st.prompt_ids)
+        return out
 
     def _log_prefill(self, req: ServeRequest) -> None:
         running, queued = self.counts()

@@ -42,6 +42,13 @@ class ServerSettings:
     def max_total_num_tokens(self) -> int:
         return self.max_running_requests * self.context_length
 
+    def dump_server_args(self) -> dict:
+        """`server_args` of a request dump: the launch flags with the resolved settings, as plain JSON
+        values (what `eagle3.data.served_dumps` admits without a class)."""
+        fields = {**vars(self.args), **self.resolution.resolved_settings(), "served_model_name": self.served_model_name,
+                  "random_seed": self.random_seed, "context_length": self.context_length}
+        return json.loads(json.dumps(fields, default=str))
+
 
 def build_settings(argv: list[str]) -> ServerSettings:
     """Parse and resolve the launch argv; raises LaunchArgsError / ValueError with SGLang-style messages."""
