@@ -78,6 +78,23 @@ class SpeculativeConfig(StrictModel):
     )
 
 
+class DumpRequestsConfig(StrictModel):
+    """SGLang's own request dumping on the deployed server (its `/configure_logging` API): the finished requests,
+    with the target's own output token ids, pickled in batches on the serving host, for a nightly that trains
+    on served traffic."""
+
+    enabled: bool = Field(False, description="Turn dumping on once the server is healthy.")
+    folder: str = Field(
+        "request-dumps", min_length=1, pattern=_NO_CONTROL,
+        description="Folder on the serving host for the dump files; relative: under the deploy workdir "
+        "(hosts[].workdir, or the deploy stage's folder for a local server)."
+    )
+    threshold: int = Field(
+        1000, ge=1, le=1_000_000, description="Finished requests per dump file (SGLang's dump_requests_threshold; "
+        "requests short of it stay in the server's memory until the next file)."
+    )
+
+
 class DeployConfig(StrictModel):
     """Where and how the draft is served."""
 
@@ -108,6 +125,9 @@ class DeployConfig(StrictModel):
     preflight: Literal["enforce", "warn"] = Field(
         "enforce", description="`enforce`: a failed preflight check stops the deploy; `warn`: log it and launch "
         "anyway (to reproduce a failure on purpose; the benchmark's diagnosis still names it)."
+    )
+    dump_requests: DumpRequestsConfig = Field(
+        default_factory=DumpRequestsConfig, description="Request dumping on the deployed server (served traffic)."
     )
 
     def server_env(self) -> dict[str, str]:

@@ -305,3 +305,17 @@ def live_executor(run_dir: Path, pid: int) -> Executor | None:
     with _LIVE_LOCK:
         live = _LIVE.get(str(run_dir), {}).get(pid)
     return live["executor"] if live else None
+
+
+def configure_request_dumps(handle: ServerHandle, folder: str, threshold: int) -> None:
+    """Turn the server's request dumping on (SGLang's `POST /configure_logging`: `dump_requests_folder`,
+    `dump_requests_threshold`); a server that refuses it fails the launch with its answer."""
+    try:
+        answer = httpx.post(f"{handle.local_url}/configure_logging", timeout=30.0,
+                            json={"dump_requests_folder": folder, "dump_requests_threshold": threshold})
+    except httpx.HTTPError as err:
+        raise ServerFailed(f"{handle.label}: /configure_logging did not answer ({err})") from err
+    if answer.status_code != 200:
+        raise ServerFailed(f"{handle.label}: /configure_logging answered HTTP {answer.status_code}: "
+                           f"{answer.text[:500]}")
+    logger().info(f"{handle.label}: dumping finished requests to {handle.host}:{folder}, {threshold} per file")

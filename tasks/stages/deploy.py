@@ -22,12 +22,14 @@ draft wired to other layers than the target feeds it -- the two failures that co
 from __future__ import annotations
 
 import json
+import posixpath
 from dataclasses import asdict
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+import eagle3
 from eagle3.environment import Facts, Needs, evaluate, overall_status
 from eagle3.export import TRAINING_RECORD, Problem, check_serving_wiring
 from tasks.config.schema import ExperimentConfig, SpeculativeConfig
@@ -55,6 +57,7 @@ from tasks.hosts.servers import (
     Placement,
     PreflightFailed,
     ServerHandle,
+    configure_request_dumps,
     host_config,
     launch,
     open_executor,
@@ -64,10 +67,10 @@ from tasks.log import logger
 from tasks.runner.context import StageContext
 from tasks.stages.target import recorded_target_dir
 
-DRY_RUN_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "serving" / "sglang_dryrun.py"
+DRY_RUN_SCRIPT = Path(eagle3.__file__).resolve().parent / "serving" / "sglang_dryrun.py"
 
 
-ENVIRONMENT_SCRIPT = Path(__file__).resolve().parents[1] / "eagle3" / "environment.py"
+ENVIRONMENT_SCRIPT = Path(eagle3.__file__).resolve().parent / "environment.py"
 
 
 def remote_facts(executor: Executor, workdir: str) -> Facts:
@@ -291,8 +294,9 @@ def deploy_server(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     placement = place(cfg, executor, ctx, draft_dir, target_dir)
     handle = prepare_and_launch(cfg, ctx, cfg.deploy.speculative, f"speculative {setting_label(predicted)}",
                                 placement, served, draft_dir, already_checked=True)
+    dumps = _dump_requests(cfg, executor, handle, placement.workdir)
     served_dtype = draft_dtype_served(draft_dir)
-    _log_to_mlflow(ctx, handle, findings, predicted, served_dtype, environment)
+    _log_to_mlflow(ctx, handle, findings, predicted, served_dtype, environment, dumps)
     summary = {"server": handle.to_dict(), "asked": handle.asked, "effective": handle.effective,
                "predicted": predicted, "settings_source": handle.settings_source,
                "adjusted": {k: v for k, v in handle.asked.items() if v is not None and handle.effective.get(k) != v},
@@ -300,10 +304,22 @@ def deploy_server(cfg: ExperimentConfig, ctx: StageContext) -> dict:
                                                                 "draft_path": placement.draft_path,
                                                                 "workdir": placement.workdir},
                "served_model": {k: v for k, v in served.to_dict().items() if k != "target_config"},
-               "preflight": [asdict(f) for f in findings]}
+               "preflight": [asdict(f) for f in findings], "dump_requests": dumps}
     ctx.write_json("server.json", summary)
     return {**summary, "metrics": {"speculative_num_draft_tokens": handle.effective["num_draft_tokens"] or 0},
             "outputs": {"server_log": handle.log_file, "local_url": handle.local_url}}
+
+
+def _dump_requests(cfg: ExperimentConfig, executor: Executor, handle: ServerHandle, workdir: str) -> dict | None:
+    """Request dumping on, where `deploy.dump_requests` asks: -> {host, folder, threshold}, what the run records
+    so a served-traffic nightly knows where to read."""
+    asked = cfg.deploy.dump_requests
+    if not asked.enabled:
+        return None
+    folder = asked.folder if posixpath.isabs(asked.folder) else posixpath.join(workdir, asked.folder)
+    executor.makedirs(folder)
+    configure_request_dumps(handle, folder, asked.threshold)
+    return {"host": executor.name, "folder": folder, "threshold": asked.threshold}
 
 
 def _workdir(cfg: ExperimentConfig, executor: Executor, ctx: StageContext) -> str:
@@ -312,10 +328,11 @@ def _workdir(cfg: ExperimentConfig, executor: Executor, ctx: StageContext) -> st
 
 
 def _log_to_mlflow(ctx: StageContext, handle: ServerHandle, findings: list[Finding], predicted: dict,
-                   served_dtype: str, environment: dict) -> None:
+                   served_dtype: str, environment: dict, dumps: dict | None) -> None:
     run = ctx.mlflow
     run.log_params({"host": handle.host, "port": handle.port, "launch_command": " ".join(handle.argv),
                     "draft_dtype_served": served_dtype,
+                    **({f"dump_requests.{k}": v for k, v in dumps.items()} if dumps else {}),
                     **{f"asked.{k}": v for k, v in handle.asked.items()},
                     **{f"predicted.{k}": v for k, v in predicted.items()},
                     **{f"effective.{k}": v for k, v in handle.effective.items()}})

@@ -21,10 +21,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
+from eagle3.data.served_dumps import load_dump, read_served_dumps
 from flows.cli import app
 from flows.experiment import eagle3_experiment
+from tasks.config.load import load_experiment
 from tasks.rundir import RunDirectory
 from tasks.runner.stages import StageFailed
+from tasks.stages.bench.stage import bench_prompts, request_inputs
 from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
 
 CONFIG = """\
@@ -47,6 +50,7 @@ deploy:
   startup_timeout_s: 240
   extra_args: {extra_args}
   baseline: {baseline}
+  dump_requests: {dump_requests}
 bench: {{prompts: {prompts}, num_prompts: 3, max_new_tokens: 24, warmup_runs: 1, timed_runs: 2, sweep: {sweep},
          min_speedup: {min_speedup}}}
 {hosts}
@@ -68,13 +72,14 @@ def workdir(tmp_path_factory) -> Path:
 
 def write_config(workdir: Path, name: str, *, speculative: str = HEALTHY, preflight: str = "enforce",
                  host: str = "local", hosts: str = "", extra_args: str = "[]", port: int | None = None,
-                 sweep: str = "[]", baseline: str = "true", min_speedup: str = "null") -> Path:
+                 sweep: str = "[]", baseline: str = "true", min_speedup: str = "null",
+                 dump_requests: str = "{enabled: false}") -> Path:
     path = workdir / f"{name}.yaml"
     path.write_text(CONFIG.format(
         target=TEST_TARGET_YAML, runs=workdir / "runs", host=host, port=port or free_port(), speculative=speculative,
                                   preflight=preflight, hosts=hosts, extra_args=extra_args,
                                   prompts=workdir / "prompts.jsonl", sweep=sweep, baseline=baseline,
-                                  min_speedup=min_speedup))
+                                  min_speedup=min_speedup, dump_requests=dump_requests))
     return path
 
 
@@ -202,6 +207,35 @@ def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir)
 
 
 @pytest.mark.slow
+def test_the_deployed_server_dumps_what_it_serves_where_the_run_records(trained_run, workdir):
+    """deploy.dump_requests: dumping goes on through the server's own /configure_logging once it is healthy, the run
+    records where (manifest and MLflow), and the files hold the prompt ids the benchmark sent with the target's own
+    output ids. The benchmark asks for exactly max_new_tokens, so the served-traffic reader counts every one of its
+    answers as cut by the length limit, not as a training sample."""
+    config = write_config(workdir, "dumping", baseline="false", dump_requests="{enabled: true, threshold: 2}")
+    deploy_and_bench(config, trained_run)
+    stages = manifest(trained_run)["stages"]
+    dumps = stages["deploy_server"]["summary"]["dump_requests"]
+    assert dumps["host"] == "local" and dumps["threshold"] == 2
+    folder = Path(dumps["folder"])
+    assert folder.is_absolute() and folder.name == "request-dumps"
+    # 1 warm-up + 2 timed runs of 3 prompts: 9 finished requests, 4 files of 2, one left in the server's memory
+    files = sorted(folder.glob("*.pkl"))
+    entries = [entry for path in files for entry in load_dump(path)["requests"]]
+    assert len(files) == 4 and len(entries) == 8
+    cfg = load_experiment(config)
+    target_dir = Path(stages["export_checkpoint"]["outputs"]["target_dir"])
+    _, sent = request_inputs(cfg, bench_prompts(cfg, None), target_dir)
+    assert [entry[0].fields()["input_ids"] for entry in entries] == [*sent, *sent, *sent][:8]
+    assert {len(entry[1]["output_ids"]) for entry in entries} == {24}
+    served = read_served_dumps(folder, max_length=cfg.data.max_length)
+    assert served.samples == [] and served.excluded["length"] == 8
+
+    client = MlflowClient(f"sqlite:///{workdir / 'runs' / 'mlflow.db'}")
+    params = client.get_run(stages["deploy_server"]["mlflow_run_id"]).data.params
+    assert params["dump_requests.folder"] == str(folder) and params["dump_requests.threshold"] == "2"
+
+
 def test_seed_setting_fails_preflight_with_sglangs_explanation(trained_run, workdir):
     config = write_config(workdir, "seed", speculative=SEED)
     before = json.loads((trained_run / "servers.json").read_text()) if (trained_run / "servers.json").exists() else {}
