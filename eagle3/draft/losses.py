@@ -118,7 +118,7 @@ def compile_loss_chunk(**compile_kwargs) -> None:
 def uncompile_loss_chunk() -> None:
     global _chunk_fn, _scaled_cast_fn, _teacher_chunk_fn, _rows_fn
     _chunk_fn, _scaled_cast_fn, _teacher_chunk_fn = _soft_ce_chunk, _scaled_cast, _teacher_chunk
-    _rows_fn = _soft_ce_rows
+    _rows_fn = _soft_ce_rows_eager
 
 
 def _run_steps(hiddens, weight, targets, scales, chunk_rows, need_grads):
@@ -259,7 +259,27 @@ def _soft_ce_rows(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: T
     return ce, correct
 
 
-_rows_fn: Callable = _soft_ce_rows
+def _soft_ce_rows_in_place(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: Tensor, scale: Tensor):
+    """`_soft_ce_rows` for fp32 logits, eager: the same ops on the same values in the same order (results
+    bit-identical), but the ce product and the gradient are written into `logits` itself, leaving one
+    [N, K, Vd] temporary (logq) instead of six. On CPU each temporary of that size (29 MB at the demo's
+    8 x 256 teacher rows x 7 steps x 512) is a fresh mmap the kernel zero-fills page by page: the
+    temporaries cost more than the math (91 -> 48 ms a call at 1 thread, tests/benchmarks/NOTES_demo.md)."""
+    correct = (logits.argmax(-1) == target_ids) & valid  # before the logits are overwritten
+    logq = torch.log_softmax(logits, dim=-1)
+    validf = valid.float()
+    ce = -torch.mul(target_p, logq, out=logits).sum(-1) * validf
+    torch.exp(logq, out=logits).sub_(target_p).mul_((validf * scale)[..., None])  # softmax(z) - p, scaled
+    return ce, correct
+
+
+def _soft_ce_rows_eager(logits: Tensor, target_p: Tensor, target_ids: Tensor, valid: Tensor, scale: Tensor):
+    """Uncompiled `_soft_ce_rows`: in place where that gives the same bits (fp32 logits), else as written."""
+    fn = _soft_ce_rows_in_place if logits.dtype == torch.float32 else _soft_ce_rows
+    return fn(logits, target_p, target_ids, valid, scale)
+
+
+_rows_fn: Callable = _soft_ce_rows_eager
 
 
 def _unroll_chunks(b: int, t: int, rows: int):
@@ -272,6 +292,22 @@ def _unroll_chunks(b: int, t: int, rows: int):
     for i in range(b):
         for r0 in range(0, t, rows):
             yield i, i + 1, r0, min(t, r0 + rows)
+
+
+# CPU scratch buffers of `_run_unroll` by name, kept between calls (see `_workspace`)
+_cpu_workspaces: dict[str, Tensor] = {}
+
+
+def _workspace(name: str, numel: int, like: Tensor) -> Tensor:
+    """An uninitialised [numel] buffer in `like`'s dtype and device. On CPU it is kept and reused: a fresh
+    tensor of the unroll's size is a new mmap whose pages the kernel zero-fills on first touch, every
+    step (CUDA's caching allocator already reuses its blocks). Only for scratch that dies with the call."""
+    if like.device.type != "cpu":
+        return torch.empty(numel, dtype=like.dtype, device=like.device)
+    buffer = _cpu_workspaces.get(name)
+    if buffer is None or buffer.dtype != like.dtype or buffer.numel() < numel:
+        buffer = _cpu_workspaces[name] = torch.empty(numel, dtype=like.dtype)
+    return buffer[:numel]
 
 
 def _run_unroll(normed, weight, teacher, scales, need_grads):
@@ -287,8 +323,8 @@ def _run_unroll(normed, weight, teacher, scales, need_grads):
     w = compute_copy([weight], normed[0].dtype)  # none cast if the optimizer wrote it (fused_layer.py)
     vd = w.shape[0]
     rows = max(1, _GRAD_BUFFER_BYTES // (k_steps * vd * w.element_size()))  # teacher rows per block
-    logits_buf = torch.empty(min(rows, b * t) * k_steps * vd, dtype=w.dtype, device=w.device)
-    hidden_buf = torch.empty(min(rows, b * t) * k_steps * h, dtype=w.dtype, device=w.device) if need_grads else None
+    logits_buf = _workspace("logits", min(rows, b * t) * k_steps * vd, w)
+    hidden_buf = _workspace("hidden", min(rows, b * t) * k_steps * h, w) if need_grads else None
     shifts = torch.arange(1, k_steps + 1, device=w.device)
     ce_sum = torch.zeros(k_steps, b, dtype=torch.float32, device=w.device)
     correct = torch.zeros(k_steps, dtype=torch.long, device=w.device)
