@@ -72,33 +72,47 @@ def pytest_sessionfinish(session):
         _background_install.wait(timeout=30)
 
 
-# `make test` runs the suite in parallel workers (pytest-xdist, `--dist loadgroup`). A module's tests stay on one
-# worker, so its module-scoped fixtures (a trained run, a nightly series, a recorded pipeline) are built once;
-# the team setup's modules share a worker (the team servers are a session fixture: one set per worker). Modules
-# whose tests are each long and whose fixtures are cheap are spread test by test instead.
+# `make test` runs the suite in parallel workers (pytest-xdist, `--dist loadscope`, scheduled by
+# `pytest_xdist_make_scheduler` below). A module's tests stay on one worker, so its module-scoped fixtures (a
+# trained run, a nightly series, a recorded pipeline) are built once; the team setup's modules share a worker (the
+# team servers are a session fixture: one set per worker). Modules whose tests are each long and whose fixtures
+# are cheap are spread test by test instead. (xdist's `loadgroup` marks do nothing under pytest 9.2: xdist 3.8
+# renames `item._nodeid`, which pytest 9.2's `nodeid` no longer reads.)
 SPREAD_MODULES = {"tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
                   "tests/flows/test_interrupts.py", "tests/flows/test_disk_full.py", "tests/flows/test_stream_flow.py"}
 TEAM_MODULES = {"tests/infra/test_team_setup.py", "tests/browser/test_ui.py"}
-# Longest first, so no worker starts a long module when the others are nearly done (measured, --durations).
+# Longest first, so no worker starts a long module when the others are nearly done (measured, --durations;
+# `make test` keeps this order with --no-loadscope-reorder).
 LONG_FIRST = ["tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
               "tests/flows/test_interrupts.py", "tests/flows/test_regen_over_ssh.py", "tests/flows/test_nightly.py",
               "tests/infra/test_team_setup.py", "tests/browser/test_ui.py", "tests/flows/test_disk_full.py",
               "tests/flows/test_stream_flow.py", "tests/flows/test_deploy_bench.py"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def work_unit(nodeid: str) -> str:
+    """The unit a worker takes whole: the test itself in a spread module, the team, else its module."""
+    module = nodeid.split("::")[0]
+    if module in SPREAD_MODULES:
+        return nodeid
+    return "team" if module in TEAM_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    _place_for_workers(items)
-    _skip_gpu_tests(items)
-
-
-def _place_for_workers(items: list) -> None:
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        if module not in SPREAD_MODULES:
-            item.add_marker(pytest.mark.xdist_group("team" if module in TEAM_MODULES else module))
     rank = {module: index for index, module in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: module order kept
+    _skip_gpu_tests(items)
 
 
 def _skip_gpu_tests(items: list) -> None:
