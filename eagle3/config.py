@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # hosts[].name, and every field that names a host
 MAX_SEED = 2**32 - 1  # the widest seed every RNG here takes (torch, random, numpy)
@@ -289,6 +289,37 @@ class StreamConfig(StrictModel):
     )
 
 
+class ServedDumpsConfig(StrictModel):
+    """`data.source: served`: SGLang request dumps on the data host, and the window of traffic to train on."""
+
+    dumps: str | None = Field(
+        None, min_length=1,
+        description="Folder of SGLang request-dump files (`*.pkl`, deploy.dump_requests.folder) on the machine that "
+        "runs the data stage (data.host); read there, never copied. Required with data.source: served.",
+    )
+    since: AwareDatetime | None = Field(
+        None, description="Start of the window (ISO-8601 with a timezone), inclusive on each request's finished "
+        "time; None = open. Exclusive with data.served.newest_days.",
+    )
+    until: AwareDatetime | None = Field(
+        None, description="End of the window (ISO-8601 with a timezone), exclusive; None = open (up to now).",
+    )
+    newest_days: float | None = Field(
+        None, gt=0, le=3650,
+        description="Only requests finished in the newest N days before the data stage starts (its clock, on "
+        "data.host); exclusive with data.served.since.",
+    )
+
+    @model_validator(mode="after")
+    def _one_start(self) -> ServedDumpsConfig:
+        if self.since is not None and self.newest_days is not None:
+            raise ValueError("set at most one of data.served.since or data.served.newest_days")
+        if self.since is not None and self.until is not None and self.since >= self.until:
+            raise ValueError(f"data.served.since {self.since.isoformat()} must be before data.served.until "
+                             f"{self.until.isoformat()}")
+        return self
+
+
 class DataConfig(StrictModel):
     """Prompts, regeneration, tokenization and hidden-state storage."""
 
@@ -300,10 +331,20 @@ class DataConfig(StrictModel):
         "training reads them there (train.nodes: [the same host]).",
     )
 
-    prompts: str = Field(
-        "builtin", min_length=1, description="`builtin` (prompts made from local text) or a .jsonl path."
+    source: Literal["prompts", "served"] = Field(
+        "prompts",
+        description="`prompts`: data.prompts answered by the target (data.regenerate); `served`: the target's own "
+        "answers from SGLang request dumps (data.served), nothing regenerated.",
     )
-    num_samples: int = Field(512, ge=1, le=100_000_000, description="Conversations to use.")
+    served: ServedDumpsConfig = Field(
+        default_factory=ServedDumpsConfig, description="The dump folder and window of data.source: served."
+    )
+    prompts: str = Field(
+        "builtin", min_length=1, description="`builtin` (prompts made from local text) or a .jsonl path "
+        "(data.source: prompts)."
+    )
+    num_samples: int = Field(512, ge=1, le=100_000_000, description="Conversations to use (data.source: served: at "
+                             "most this many samples, the newest kept).")
     max_length: int = Field(256, ge=16, le=1_048_576, description="Tokens per sample after the chat template.")
     validation_fraction: float = Field(0.1, ge=0, lt=1, description="Share of samples held out for validation.")
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig, description="Response regeneration.")
@@ -338,6 +379,15 @@ class DataConfig(StrictModel):
     capture: CaptureEngineConfig = Field(
         default_factory=CaptureEngineConfig, description="SGLang's capture runner (target.engine: sglang)."
     )
+
+    @model_validator(mode="after")
+    def _served_dumps(self) -> DataConfig:
+        if self.source == "served" and self.served.dumps is None:
+            raise ValueError("data.served.dumps is required with data.source: served (the dump folder on data.host)")
+        if self.source != "served" and self.served != ServedDumpsConfig():
+            raise ValueError("data.served is set but data.source is 'prompts'; set data.source: served or drop "
+                             "data.served")
+        return self
 
     @model_validator(mode="after")
     def _stream_budget(self) -> DataConfig:

@@ -1,6 +1,7 @@
 """The data stage: prompts -> target responses -> chat tokens + loss mask -> draft vocab ->
 target hidden states (offline shards) or nothing (online). `generate_dataset` is the entry the
-Prefect task wraps.
+Prefect task wraps. With `data.source: served` the samples come from SGLang request dumps instead
+(`eagle3.data.served_source`: no prompts file, no regeneration); vocab and hidden states follow as usual.
 
 Owns the dataset directory: `samples.jsonl` (`eagle3.data.samples`), `failed.jsonl`
 (`eagle3.data.server_pool`), `vocab/` (the draft vocabulary, `eagle3.draft.vocab`) and
@@ -49,6 +50,7 @@ from eagle3.data.samples import (  # noqa: E402
     read_samples,
     write_samples,
 )
+from eagle3.data.served_source import prepare_served_samples  # noqa: E402
 from eagle3.data.server_pool import FailureLog  # noqa: E402
 from eagle3.data.target import load_engine_target  # noqa: E402
 from eagle3.data.tiny_target import cpu_threads, heldout_corpus  # noqa: E402
@@ -154,7 +156,10 @@ def _servers(rcfg: RegenerateConfig, open_endpoints: OpenEndpoints | None) -> co
 
 def reusable_samples_meta(target_dir: Path, data_cfg: DataConfig, out_dir: Path) -> dict | None:
     """samples.meta.json of `out_dir` when its samples.jsonl is intact and was made from this target,
-    these prompts and settings (so no prompt is left to answer), else None."""
+    these prompts and settings (so no prompt is left to answer), else None (always for data.source: served:
+    its dumps are read again, new files may have come)."""
+    if data_cfg.source == "served":
+        return None
     meta_path, samples_path = Path(out_dir) / SAMPLES_META, Path(out_dir) / SAMPLES_FILE
     if not (meta_path.is_file() and samples_path.is_file()):
         return None
@@ -167,7 +172,9 @@ def _prepare_samples(
     target_dir: Path, data_cfg: DataConfig, tokenizer, stop_ids: list[int], load_model: Callable,
     out_dir: Path, progress: ProgressFn, log: LogFn, open_endpoints: OpenEndpoints | None = None,
 ) -> tuple[list[dict], dict]:
-    """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split."""
+    """samples.jsonl from a previous identical run, or prompts -> answers -> tokens -> split (or served dumps)."""
+    if data_cfg.source == "served":
+        return prepare_served_samples(data_cfg, out_dir, progress, log)
     fingerprint = samples_fingerprint(target_dir, data_cfg)
     meta_path, samples_path = out_dir / SAMPLES_META, out_dir / SAMPLES_FILE
     meta = reusable_samples_meta(target_dir, data_cfg, out_dir)
@@ -271,7 +278,10 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
         "shards_reused": dump["shards_reused"],
         "capture_engine": dump.get("engine"),
         "chat_template_sha256": chat_template_sha256(tokenizer),
-        "regeneration": regeneration_settings(data_cfg.regenerate),
+        "source": data_cfg.source,
+        # served answers were not regenerated: their sampling settings are in served["sampling_params"]
+        "regeneration": regeneration_settings(data_cfg.regenerate) if data_cfg.source == "prompts" else {},
+        "served": meta.get("served"),
         "vocab": vocab_info,
         "paths": {
             "samples": str(out_dir / SAMPLES_FILE),

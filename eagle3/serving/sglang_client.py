@@ -876,13 +876,19 @@ def _user_turns(prompt: str | Sequence[Message], where: str) -> list[str]:
 
 
 def heldout_overlap(prompts: Sequence[str | Sequence[Message]], samples_jsonl: str | Path,
-                    split: str | None = None) -> list[int]:
-    """Indices of prompts with a user turn (whitespace-stripped) equal to a user turn of a
-    training sample in samples_jsonl (optionally one split): prompts the draft has seen."""
+                    split: str | None = None,
+                    render_ids: Callable[[Sequence[str | Sequence[Message]]], list[list[int]]] | None = None,
+                    ) -> list[int]:
+    """Indices of prompts the draft has seen in samples_jsonl (optionally one split): a user turn
+    (whitespace-stripped) equal to a sample's user turn, or -- for served samples (data.source: served,
+    which carry the prompt's ids as served and maybe no messages) -- prompt ids equal to the sample's
+    prompt ids. `render_ids` turns the prompts into the ids the benchmark sends (render_prompts); it is
+    called only when the file holds served samples, and without it served samples are not compared."""
     path = Path(samples_jsonl)
     if not path.is_file():
         raise FileNotFoundError(f"samples file not found: {path}")
     seen: set[str] = set()
+    seen_ids: set[tuple[int, ...]] = set()
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -891,6 +897,11 @@ def heldout_overlap(prompts: Sequence[str | Sequence[Message]], samples_jsonl: s
                 sample = json.loads(line)
                 if split is None or sample["split"] == split:
                     seen.update(_user_turns(sample["messages"], f"{path}:{lineno}"))
+                    if "num_prompt_tokens" in sample:  # a served sample: input_ids = prompt ids + answer ids
+                        seen_ids.add(tuple(sample["input_ids"][: sample["num_prompt_tokens"]]))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a sample with 'messages' ({type(e).__name__}: {e})") from e
-    return [i for i, p in enumerate(prompts) if any(turn in seen for turn in _user_turns(p, f"prompts[{i}]"))]
+    found = {i for i, p in enumerate(prompts) if any(turn in seen for turn in _user_turns(p, f"prompts[{i}]"))}
+    if seen_ids and render_ids is not None:
+        found |= {i for i, ids in enumerate(render_ids(prompts)) if tuple(ids) in seen_ids}
+    return sorted(found)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
+from eagle3.data.served_source import listing_digest, local_listing
 from eagle3.training.trainer import RESUMABLE_FIELDS
 from tasks.config.masked import flatten, masked_dict
 from tasks.config.reads import covered
 from tasks.config.schema import ExperimentConfig
+from tasks.hosts.remote import connect
 from tasks.rundir import digest_paths
 
 
@@ -53,7 +56,7 @@ class StageSpec:
 def _regeneration_servers(cfg: ExperimentConfig) -> bool:
     """The data stage starts servers of the target (deploy.server, deploy.model_path, ...) to regenerate."""
     regen = cfg.data.regenerate
-    return regen.enabled and regen.backend != "local" and regen.deploy is not None
+    return cfg.data.source == "prompts" and regen.enabled and regen.backend != "local" and regen.deploy is not None
 
 
 def _speculators_verifier_from_paths(cfg: ExperimentConfig) -> bool:
@@ -72,7 +75,7 @@ _STREAM_CAPTURE = ("target.kind", "target.model_path", "target.shape", "target.t
                    "target.engine", "target.trust_remote_code", "target.placement", "data.stream", "data.capture",
                    "data.capture_batch_size", "data.shard_size", "data.hidden_states_dtype", "data.max_length",
                    "data.regenerate", "data.prompts", "data.num_samples", "data.validation_fraction", "data.seed",
-                   "data.host")
+                   "data.host", "data.source", "data.served")
 
 
 # Regeneration settings that change how fast answers arrive, not which answers.
@@ -155,10 +158,43 @@ def stage_inputs(cfg: ExperimentConfig, name: str, upstream_digests: dict[str, s
     inputs, operational = spec.inputs(cfg), spec.operational_fields(cfg)
     fields = {key: value for key, value in flat.items() if covered(key, inputs) and not covered(key, operational)}
     upstream = {u: upstream_digests.get(u) for u in spec.needs + spec.uses}
+    if name == "generate_data" and cfg.data.source == "served":  # new dump files re-run the stage
+        upstream["served_dumps"] = served_dumps_digest(cfg)
     if name == "train_draft" and cfg.train.init_checkpoint:  # a file input named by the config: its content counts
         start = Path(cfg.train.init_checkpoint)
         upstream["init_checkpoint"] = digest_paths([start]) if start.exists() else "missing"
     return {"config": fields, "upstream": upstream, "version": version}
+
+
+def served_dumps_digest(cfg: ExperimentConfig) -> str:
+    """Digest of the names and sizes of the dump files in data.served.dumps, listed where the data stage reads
+    them: on this machine, or on data.host over its executor (the dumps never come here). It is an input of
+    generate_data like an upstream digest: the config alone cannot tell that new traffic arrived.
+
+    Listed here, when the fingerprint is computed, rather than by the stage: the fingerprint decides whether the
+    stage runs at all. With data.served.newest_days the window slides with the clock, so today's UTC date is
+    part of it: a resume the same day reuses, the next day reads again. A host that cannot be listed gives a
+    value no earlier attempt has, so the stage runs (and meets the same error, said by the stage)."""
+    folder = cfg.data.served.dumps or ""
+    try:
+        listing = local_listing(folder) if cfg.data.host == "local" else _host_listing(cfg, folder)
+        digest = listing_digest(listing)
+    except Exception as err:  # noqa: BLE001 - any failure to list means: do not reuse (the time: never equal)
+        digest = f"unlisted ({type(err).__name__}) {datetime.now(timezone.utc).isoformat()}"
+    if cfg.data.served.newest_days is not None:
+        digest += f" {datetime.now(timezone.utc).date().isoformat()}"
+    return digest
+
+
+def _host_listing(cfg: ExperimentConfig, folder: str) -> list[tuple[str, int]]:
+    """(name, size) of the `*.pkl` files of `folder` on data.host (GNU find, as the target card's listing)."""
+    executor = connect(cfg.data.host, cfg.hosts)
+    try:
+        out = executor.run(["find", folder, "-maxdepth", "1", "-type", "f", "-name", "*.pkl", "-printf", "%f\\t%s\\n"],
+                           log_output=False, timeout=120).stdout
+    finally:
+        executor.close()
+    return [(name, int(size)) for name, _, size in (line.partition("\t") for line in out.splitlines()) if size]
 
 
 def undeclared_reads(name: str, cfg: ExperimentConfig, reads: set[str], spec: StageSpec | None = None) -> list[str]:

@@ -65,12 +65,14 @@ from tasks.stages.target import recorded_target_dir
 # ------------------------------------------------------------------ prompts
 
 
-def bench_prompts(cfg: ExperimentConfig, samples: Path | None) -> list[list[dict]]:
-    """The benchmark's conversations, never ones the draft trained on (the held-out check)."""
+def bench_prompts(cfg: ExperimentConfig, samples: Path | None, tokenizer_dir: Path | None = None) -> list[list[dict]]:
+    """The benchmark's conversations, never ones the draft trained on (the held-out check: by text, and by the
+    ids the target's chat template renders (tokenizer_dir) against served samples, data.source: served)."""
+    render = (lambda conversations: render_prompts(conversations, tokenizer_dir)) if tokenizer_dir else None
     if cfg.bench.prompts == "builtin":
         pool = builtin_prompts(cfg.bench.num_prompts * 4)
         if samples is not None and samples.is_file():
-            seen = set(heldout_overlap(pool, samples))
+            seen = set(heldout_overlap(pool, samples, render_ids=render))
             pool = [p for i, p in enumerate(pool) if i not in seen]
         if len(pool) < cfg.bench.num_prompts:
             raise ValueError(f"bench.num_prompts={cfg.bench.num_prompts}: only {len(pool)} builtin prompts are not "
@@ -78,7 +80,7 @@ def bench_prompts(cfg: ExperimentConfig, samples: Path | None) -> list[list[dict
         return pool  # more than needed: run_benchmark keeps the first num_prompts that fit
     prompts = load_prompts_jsonl(cfg.bench.prompts)[: cfg.bench.num_prompts]
     if samples is not None and samples.is_file():
-        seen = heldout_overlap(prompts, samples)
+        seen = heldout_overlap(prompts, samples, render_ids=render)
         if seen:
             raise ValueError(f"bench.prompts: {cfg.bench.prompts} prompts {[i + 1 for i in seen][:10]} are training "
                              "prompts of this draft; benchmark on held-out prompts")
@@ -324,8 +326,9 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     draft_dir = Path(exported["sglang_dir"])
     target_dir = recorded_target_dir(cfg, ctx, exported["target_dir"]) if exported.get("target_dir") else None
     samples = ctx.upstream.get("generate_data", {}).get("outputs", {}).get("samples")
-    conversations = bench_prompts(cfg, Path(samples) if samples else None)
-    endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir and target_dir.is_dir() else None)
+    tokenizer_dir = target_dir if target_dir and target_dir.is_dir() else None
+    conversations = bench_prompts(cfg, Path(samples) if samples else None, tokenizer_dir)
+    endpoint, prompts = request_inputs(cfg, conversations, tokenizer_dir)
     spec_handle = _deployed_handle(ctx, deployed)
     fitting = fitting_prompts(cfg, prompts, spec_handle.server_info.get("context_len"))
     prompts = fitting[: cfg.bench.num_prompts]

@@ -10,6 +10,7 @@ In order:
 3. samples: with `data.regenerate.deploy` and prompts left to answer (`--plan` asks the host), the
    regeneration servers start on the host and `python -m eagle3.data.generate --samples-only`
    runs there against them at 127.0.0.1; the servers stop before the capture (they hold its GPUs);
+   with `data.source: served` the dumps are read there, in `data.served.dumps` on the host (never copied);
 4. hidden states: `python -m eagle3.data.generate` again (the samples are reused by fingerprint),
    its capture engine on the host's GPUs, the shards written into the host's dataset folder;
 5. `summary.json`, `samples.meta.json`, `vocab/` and the shards' `manifest.json` come back;
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from eagle3.data.generate import API_KEY_ENV, SUMMARY_FILE
 from eagle3.data.samples import FAILED_FILE, SAMPLES_META
+from eagle3.data.served_source import served_metrics
 from eagle3.data.shards import MANIFEST
 from tasks.config.schema import ExperimentConfig
 from tasks.hosts.jobs import HostJob
@@ -120,6 +122,8 @@ def _job_env(cfg: ExperimentConfig) -> dict[str, str]:
 def _run_samples(cfg: ExperimentConfig, ctx: StageContext, executor: Executor, root: str, command: list[str],
                  env: dict[str, str]) -> None:
     """Samples and vocab, with the regeneration servers up only while prompts are left to answer."""
+    if cfg.data.source == "served":
+        return  # served dumps: read on the host by the capture job, nothing regenerated
     rcfg = cfg.data.regenerate
     if not (rcfg.enabled and rcfg.deploy is not None):
         return  # regeneration (if any) needs no servers of ours: the capture job makes the samples too
@@ -196,6 +200,7 @@ def _result(cfg: ExperimentConfig, summary: dict, local: Path, card: Path, targe
     coverage = summary.get("vocab", {}).get("coverage")
     if isinstance(coverage, (int, float)):
         metrics["draft_vocab_coverage"] = coverage
+    metrics |= served_metrics(summary)
     host_paths = {k: v for k, v in summary["paths"].items() if v}
     return {
         **summary,

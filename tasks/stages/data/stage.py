@@ -6,6 +6,8 @@ whole CPU default needs nothing from a hub. Everything the data depends on is lo
 MLflow run: the aux layer ids in SGLang's convention *and* as HF indices, the chat-template hash,
 regeneration settings (no secrets) and the draft vocab map. With `data.regenerate.deploy`, the stage
 starts its own regeneration servers only when prompts are left to answer (`tasks.stages.data.regeneration`).
+With `data.source: served` the samples come from SGLang request dumps where the stage runs; the run records
+the window, the exclusions by reason and the sampling settings the answers were served with.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3.data.generate import generate_dataset
 from eagle3.data.samples import SAMPLES_META
+from eagle3.data.served_source import served_metrics
 from tasks.config.schema import ExperimentConfig
 from tasks.log import logger
 from tasks.rundir import digest_paths
@@ -45,6 +48,7 @@ def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     vocab = summary.get("vocab", {})
     if isinstance(vocab.get("coverage"), (int, float)):
         metrics["draft_vocab_coverage"] = vocab["coverage"]
+    metrics |= served_metrics(summary)
     return {
         **summary,
         "metrics": metrics,
@@ -75,11 +79,22 @@ def _log_to_mlflow(ctx: StageContext, target_dir: Path, summary: dict) -> None:
         "hidden_states": summary["hidden_states"],
         "target_dir": str(target_dir),
         **{f"regenerate.{k}": v for k, v in summary["regeneration"].items()},
+        **_served_params(summary),
     })
-    run.log_dict(summary, "data/summary.json")
+    run.log_dict(summary, "data/summary.json")  # with data.source: served, its full figures (summary["served"])
     vocab_dir = Path(summary["paths"]["vocab"])
     if vocab_dir.is_dir():
         run.log_artifact(vocab_dir, "vocab")
     eval_file = target_dir / "eval.json"
     if eval_file.is_file():
         run.log_artifact(eval_file, "target")
+
+
+def _served_params(summary: dict) -> dict:
+    """The source and, for served dumps, the window actually used and the sampling settings served with."""
+    served = summary.get("served")
+    if not served:
+        return {"source": summary.get("source", "prompts")}
+    return {"source": "served", "served.dumps": served["dumps"], "served.since": str(served["window"]["since"]),
+            "served.until": str(served["window"]["until"]),
+            "served.sampling_params": json.dumps(served["sampling_params"])[:6000]}  # MLflow's param length limit

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import pytest
-from pydantic import BaseModel, SecretStr
+from pydantic import AwareDatetime, BaseModel, SecretStr
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -222,6 +222,8 @@ def bad_values(info) -> list[Any]:
         if "MinLen" in meta:
             return [""]
         return [[1, 2]]
+    if kind is AwareDatetime:
+        return ["2026-01-01T00:00:00"]  # no timezone
     raise AssertionError(f"no bad value for {kind}")
 
 
