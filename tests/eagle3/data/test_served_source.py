@@ -213,3 +213,19 @@ def test_a_served_and_trained_prompt_is_found_by_its_ids(served, dataset, tiny_t
                                                                              "num_prompts": 4}})
     with pytest.raises(ValueError, match=r"prompts \[4\] are training prompts"):
         bench_prompts(cfg, samples, tiny_target_dir)
+
+
+def test_the_data_hosts_command_reads_the_dumps_where_it_runs(served, tiny_target_dir, tmp_path):
+    """`python -m eagle3.data.generate` is what a data host runs, with the config uploaded as JSON
+    (tasks/stages/data/host.py): the served source and its window survive the trip and the dumps are read there."""
+    folder, answers, _ = served
+    data = served_data(folder, served={"dumps": str(folder), "since": "2000-01-01T00:00:00+02:00"},
+                       hidden_states="online")
+    config = tmp_path / "host_data_config.json"
+    config.write_text(json.dumps({"target": json.loads(TargetConfig().model_dump_json()),
+                                  "data": json.loads(data.model_dump_json(exclude={"regenerate": {"api_key"}}))}))
+    out = tmp_path / "dataset"
+    assert generate.main(["--target-dir", str(tiny_target_dir), "--out-dir", str(out), "--config", str(config)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["served"]["window"]["since"] == "1999-12-31T22:00:00+00:00"
+    assert summary["served"]["num_samples"] == len(answers)
