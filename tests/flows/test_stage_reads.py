@@ -140,7 +140,7 @@ def test_inputs_keep_the_readmes_resume_promises():
 
 def schema_fields() -> set[str]:
     """Every leaf field of ExperimentConfig as a recorded read names it (list items without their index)."""
-    from tests.test_config_mutations import schema_leaves
+    from tests.tasks.config.test_config_mutations import schema_leaves
 
     return {".".join(p for p in path if not isinstance(p, int)) for path, _ in schema_leaves(ExperimentConfig)}
 

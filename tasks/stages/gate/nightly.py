@@ -253,8 +253,9 @@ def measure_drafts(cfg: ExperimentConfig, ctx: StageContext, drafts: dict[str, s
     exported = ctx.upstream["export_checkpoint"]["outputs"]
     target_dir = recorded_target_dir(cfg, ctx, exported["target_dir"])
     samples = ctx.upstream.get("generate_data", {}).get("outputs", {}).get("samples")
-    conversations = bench_prompts(cfg, Path(samples) if samples else None)
-    endpoint, prompts = request_inputs(cfg, conversations, target_dir if target_dir.is_dir() else None)
+    tokenizer_dir = target_dir if target_dir.is_dir() else None
+    conversations = bench_prompts(cfg, Path(samples) if samples else None, tokenizer_dir)  # held out: text and ids
+    endpoint, prompts = request_inputs(cfg, conversations, tokenizer_dir)
     executor = open_executor(cfg, ctx.run_dir)  # closed by the teardown below, with the run's servers
     host = host_config(cfg)
     workdir = executor.expand_path(host.workdir) if host else str(ctx.run_dir / "deploy_server")
