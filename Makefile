@@ -4,9 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Parallel test workers (pytest-xdist): the suite waits on servers and subprocesses much of the time, so 3 on
+# Parallel test workers (pytest-xdist): the suite waits on servers and subprocesses much of the time, so 4 on
 # 2 cores finish sooner than 2; `make test TEST_WORKERS=0` runs it in one process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 export PREFECT_HOME ?= $(CURDIR)/.prefect-home
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export DO_NOT_TRACK ?= true

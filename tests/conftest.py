@@ -31,6 +31,10 @@ os.environ.update(
     }
 )
 os.environ.pop("PREFECT_API_URL", None)
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 (execnet sets them). rich reads them once, when the
+# CLI's consoles are made at import, which would pin every CLI test to 80 columns whatever its CliRunner env says.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 REPO = Path(__file__).resolve().parents[1]
