@@ -33,7 +33,7 @@ demo: install
 test: install
 	command -v sshd || test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssl)
 	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
-	EAGLEOPS_ONLY_GPU_SKIPS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
+	EAGLEOPS_ONLY_GPU_SKIPS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -83,14 +83,19 @@ def pytest_sessionfinish(session):
 # are cheap are spread test by test instead. (xdist's `loadgroup` marks do nothing under pytest 9.2: xdist 3.8
 # renames `item._nodeid`, which pytest 9.2's `nodeid` no longer reads.)
 SPREAD_MODULES = {"tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
-                  "tests/flows/test_interrupts.py", "tests/flows/test_disk_full.py", "tests/flows/test_stream_flow.py"}
+                  "tests/flows/test_interrupts.py", "tests/flows/test_disk_full.py", "tests/flows/test_stream_flow.py",
+                  "tests/eagle3/training/test_train.py", "tests/eagle3/training/test_streaming.py",
+                  "tests/eagle3/data/test_generate.py", "tests/eagle3/serving/test_decoding.py",
+                  "tests/eagle3/data/test_sglang_engine.py"}
 TEAM_MODULES = {"tests/infra/test_team_setup.py", "tests/browser/test_ui.py"}
 # Longest first, so no worker starts a long module when the others are nearly done (measured, --durations;
 # `make test` keeps this order with --no-loadscope-reorder).
 LONG_FIRST = ["tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
               "tests/flows/test_interrupts.py", "tests/flows/test_regen_over_ssh.py", "tests/flows/test_nightly.py",
               "tests/infra/test_team_setup.py", "tests/browser/test_ui.py", "tests/flows/test_disk_full.py",
-              "tests/flows/test_stream_flow.py", "tests/flows/test_deploy_bench.py"]
+              "tests/flows/test_stream_flow.py", "tests/flows/test_deploy_bench.py",
+              "tests/tasks/tracking/test_tracking_outage.py", "tests/eagle3/training/test_train.py",
+              "tests/eagle3/training/test_streaming.py", "tests/eagle3/data/test_generate.py"]
 
 
 def work_unit(nodeid: str) -> str:
