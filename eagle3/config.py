@@ -9,20 +9,65 @@ stays usable from a notebook.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from functools import cache
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"  # hosts[].name, and every field that names a host
 MAX_SEED = 2**32 - 1  # the widest seed every RNG here takes (torch, random, numpy)
+MAX_STEPS = 100_000_000  # optimizer steps (and step intervals): past any run, within every counter
 URL_PATTERN = r"^https?://[^\s/@]+(@[^\s/@]+)?(/\S*)?$"  # no spaces or newlines: they would reach a request line
 HostName = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
 class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, defaults are validated."""
+    """Base for every config section: unknown keys are errors, defaults are validated, and two rules hold for
+    every field of every section (so a new field cannot forget them):
+    - a float is finite: `.inf` or `.nan` passes a lone lower bound (rope_theta > 0) and reaches the math;
+    - no string holds a NUL byte (keys and list items included): no path, address, name, flag or environment
+      value can, and the OS refuses one only when the stage that uses it runs ("embedded null byte").
+    Ints are bounded field by field (`le=`); tests/tasks/config/test_config_mutations.py checks that each is."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_nul_byte(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name and not _holds_section(cls, info.field_name) and _has_nul(value):
+            raise ValueError("contains a NUL byte (\\0), which no path, address, name or flag can hold")
+        return value
+
+
+@cache
+def _holds_section(model: type[BaseModel], field: str) -> bool:
+    """Whether the field's type is (or holds) a section: that section's own fields are checked, each at its line."""
+    def sections_in(annotation: Any) -> bool:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return True
+        return any(sections_in(arg) for arg in get_args(annotation))
+
+    info = model.model_fields.get(field)
+    return info is not None and sections_in(info.annotation)
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 # --------------------------------------------------------------------------- target
@@ -45,7 +90,7 @@ class TinyTargetConfig(StrictModel):
     num_attention_heads: int = Field(2, ge=1, le=64, description="Attention heads.")
     num_key_value_heads: int = Field(1, ge=1, le=64, description="KV heads (GQA); must divide the attention heads.")
     max_position_embeddings: int = Field(1024, ge=64, le=131072, description="Context length of the tiny target.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base.")
+    rope_theta: float = Field(10000.0, gt=0, le=1e9, description="RoPE base.")
     corpus_max_bytes: int = Field(
         2_500_000, ge=10_000, le=500_000_000, description="Bytes of Python stdlib source used as training corpus."
     )
@@ -309,6 +354,28 @@ class ServedDumpsConfig(StrictModel):
         description="Only requests finished in the newest N days before the data stage starts (its clock, on "
         "data.host); exclusive with data.served.since.",
     )
+    cache: str | None = Field(
+        None, min_length=1,
+        description="Folder of the capture cache on data.host (data.hidden_states offline or stream): every "
+        "sample's hidden states captured by an earlier night, reused by content (token ids + loss mask) for the "
+        "same target, aux layers, dtype and engine; None = `<the host's workdir>/capture-cache` "
+        "(data.host local: `<runs_root>/capture-cache`). Never copied off the data host.",
+    )
+    cache_budget_gb: float = Field(
+        500.0, gt=0, le=1_000_000,
+        description="Disk the capture cache may take (GB = 1e9 bytes); over it, the shards of the oldest nights "
+        "are evicted first, never one the night's training reads.",
+    )
+    replay_fraction: float = Field(
+        0.0, ge=0, le=1,
+        description="Share of the cached samples a night did not capture (earlier nights' traffic) trained on "
+        "beside its new samples, drawn at random (seeded by data.seed and the night's new samples; recorded).",
+    )
+    min_new_samples: int = Field(
+        1, ge=0, le=100_000_000,
+        description="A night with fewer new samples (in the window, not in the capture cache) records \"no new "
+        "traffic\" and trains, exports and gates nothing (exit 0); 0 trains even on replayed samples alone.",
+    )
 
     @model_validator(mode="after")
     def _one_start(self) -> ServedDumpsConfig:
@@ -416,6 +483,34 @@ class DraftShapeConfig(StrictModel):
     num_attention_heads: int | None = Field(None, ge=1, le=256, description="Draft attention heads.")
     num_key_value_heads: int | None = Field(None, ge=1, le=256, description="Draft KV heads.")
     head_dim: int | None = Field(None, ge=4, le=1024, description="Draft head dimension.")
+    architecture: Literal["llama", "deepseek_mla"] = Field(
+        "llama",
+        description="Draft attention: `llama` = GQA (SGLang LlamaForCausalLMEagle3); `deepseek_mla` = DeepSeek-V2 "
+        "multi-latent attention with a dense MLP (SGLang Eagle3DeepseekV2ForCausalLM, srt/models/kimi_k25_eagle3.py), "
+        "for Kimi-K2.x / DeepSeek-V3 targets: its MLA dims come from the target's config unless set here.",
+    )
+    fc_norm: bool = Field(False, description="EAGLE-3.1: an RMSNorm per aux hidden state before fc (SGLang `fc_norm`).")
+    norm_output: bool = Field(
+        False, description="EAGLE-3.1: the next draft step gets the normed output, not the pre-norm one (SGLang "
+        "`norm_output`)."
+    )
+    q_lora_rank: int | None = Field(None, ge=1, le=65536, description="MLA query latent rank (deepseek_mla).")
+    kv_lora_rank: int | None = Field(None, ge=1, le=65536, description="MLA key/value latent rank (deepseek_mla).")
+    qk_nope_head_dim: int | None = Field(None, ge=1, le=1024, description="MLA per-head q/k width without RoPE.")
+    qk_rope_head_dim: int | None = Field(None, ge=2, le=1024, description="MLA RoPE width shared by all heads' keys.")
+    v_head_dim: int | None = Field(None, ge=1, le=1024, description="MLA per-head value width.")
+
+    @model_validator(mode="after")
+    def _mla_fields(self) -> DraftShapeConfig:
+        mla = [n for n in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+               if getattr(self, n) is not None]
+        if mla and self.architecture != "deepseek_mla":
+            raise ValueError(f"train.draft.{mla[0]} is an MLA dimension: set train.draft.architecture: deepseek_mla "
+                             "or drop it")
+        if self.architecture == "deepseek_mla" and (self.num_key_value_heads is not None or self.head_dim is not None):
+            raise ValueError("train.draft.num_key_value_heads / head_dim do not apply to architecture deepseek_mla "
+                             "(every head has its own key; set qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+        return self
 
 
 class TrainConfig(StrictModel):
@@ -424,7 +519,7 @@ class TrainConfig(StrictModel):
     ttt_steps: int = Field(7, ge=1, le=32, description="Training-time-test unroll length.")
     step_decay: float = Field(0.8, gt=0, le=1, description="Loss weight of TTT step k is step_decay**k.")
     epochs: int = Field(1, ge=1, le=10_000, description="Passes over the training split.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many optimizer steps.")
     batch_size: int = Field(8, ge=1, le=65536, description="Sequences per micro-batch per device.")
     grad_accum: int = Field(1, ge=1, le=4096, description="Micro-batches per optimizer step.")
     lr: float = Field(1e-4, gt=0, le=1, description="Peak learning rate (AdamW).")
@@ -435,9 +530,9 @@ class TrainConfig(StrictModel):
     grad_clip: float = Field(0.5, gt=0, le=1e6, description="Max global grad norm.")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on CUDA, fp32 on CPU.")
     seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed for init, shuffling and dropout.")
-    checkpoint_every: int = Field(200, ge=1, description="Optimizer steps between checkpoints.")
-    eval_every: int = Field(200, ge=1, description="Optimizer steps between validation passes.")
-    log_every: int = Field(10, ge=1, description="Optimizer steps between metric reports.")
+    checkpoint_every: int = Field(200, ge=1, le=MAX_STEPS, description="Optimizer steps between checkpoints.")
+    eval_every: int = Field(200, ge=1, le=MAX_STEPS, description="Optimizer steps between validation passes.")
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="Optimizer steps between metric reports.")
     devices: int = Field(1, ge=1, le=1024, description="Processes (GPUs) per node, launched with torchrun when > 1.")
     nodes: list[HostName] = Field(
         default_factory=list,
@@ -493,14 +588,15 @@ class TrainConfig(StrictModel):
     )
     keep_checkpoints: int = Field(2, ge=1, le=1000, description="Most recent step checkpoints kept on disk.")
     eval_max_batches: int | None = Field(
-        None, ge=1, description="Validation batches per rank per evaluation; None = the whole split."
+        None, ge=1, le=MAX_STEPS, description="Validation batches per rank per evaluation; None = the whole split."
     )
     draft: DraftShapeConfig = Field(default_factory=DraftShapeConfig, description="Draft layer shape.")
     init_checkpoint: str | None = Field(
         None,
         min_length=1,
-        description="Start from this draft's weights (a train_draft checkpoint or an exported sglang folder with "
-        "the same draft vocabulary) instead of a fresh init; its content is part of the training stage's inputs.",
+        description="Start from this draft's weights (a train_draft checkpoint or an exported sglang folder of "
+        "the same shape) instead of a fresh init, keeping its draft vocabulary (d2t) over the data's; its content "
+        "is part of the training stage's inputs.",
     )
 
     @model_validator(mode="after")

@@ -11,7 +11,11 @@ case with what SGLang would do (reference sglang-eagle3.md §2-3; sglang
 Formats written:
 - sglang/: config.json (LlamaForCausalLMEagle3, eagle_config with SGLang-convention ids)
   + model.safetensors with exactly `SGLANG_WEIGHT_KEYS` (no embed_tokens when the widths
-  match: SGLang uses the target's).
+  match: SGLang uses the target's); for the `deepseek_mla` draft, SGLang's
+  `Eagle3DeepseekV2ForCausalLM` (sglang `srt/models/kimi_k25_eagle3.py`: model_type deepseek_v3,
+  the MLA dims, `midlayer.self_attn.{q_a_proj, kv_a_proj_with_mqa, ...}`, which its `load_weights`
+  fuses and splits by name and warns-and-skips when unknown). Either takes the EAGLE-3.1 flags
+  `fc_norm` (+ `fc_norm.{i}.weight`) and `norm_output` as top-level config keys, as both classes read them.
 - speculators/: vLLM's speculators layout (`Eagle3Speculator`, `transformer_layer_config`,
   `layers.0.*`), ids translated to vLLM's "input of layer k" convention.
 """
@@ -30,9 +34,11 @@ from torch import Tensor
 
 from eagle3.config import ExportConfig
 from eagle3.data.capture import max_capture_index, sglang_layers_to_capture
-from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, target_rope_settings
+from eagle3.draft.model import MLA_DIMS, DraftModelConfig, Eagle3DraftModel, target_rope_settings
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SGLANG_MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+_MODEL_TYPES = {SGLANG_ARCHITECTURE: "llama", SGLANG_MLA_ARCHITECTURE: "deepseek_v3"}
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.9.0"
 # The tensors SGLang's LlamaForCausalLMEagle3 loads for a one-layer draft (bias-free fc, no
@@ -54,6 +60,9 @@ SGLANG_WEIGHT_KEYS = (
     "d2t",
     "t2d",
 )
+# ... and the MLA draft's attention in their place (Eagle3DeepseekV2ForCausalLM.load_weights names)
+_MLA_ATTENTION_KEYS = tuple(f"midlayer.self_attn.{n}.weight" for n in (
+    "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"))
 _EMBED_KEY = "embed_tokens.weight"
 _LEFTOVER_PREFIXES = ("draft_model.", "model.", "module.", "_orig_mod.", "draft.")
 _TARGET_EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
@@ -105,16 +114,30 @@ def _architecture(target_config: dict) -> str:
 # ============================================================================ writing
 
 
+def sglang_architecture(cfg: DraftModelConfig) -> str:
+    return SGLANG_MLA_ARCHITECTURE if cfg.is_mla else SGLANG_ARCHITECTURE
+
+
+def _attention_shapes(cfg: DraftModelConfig) -> dict[str, tuple[int, ...]]:
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.is_mla:
+        rope, nope, v = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        shapes = [(cfg.q_lora_rank, 2 * h), (cfg.q_lora_rank,), (nh * (nope + rope), cfg.q_lora_rank),
+                  (cfg.kv_lora_rank + rope, 2 * h), (cfg.kv_lora_rank,), (nh * (nope + v), cfg.kv_lora_rank), (h, nh * v)]
+        return dict(zip(_MLA_ATTENTION_KEYS, shapes))
+    q, kv = nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+            "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q)}
+
+
 def sglang_weight_shapes(cfg: DraftModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shape of each SGLang tensor for a draft config."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    """Expected shape of each SGLang tensor for a draft config (either architecture, fc_norm's when set)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    fc_norm = {f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(cfg.num_aux_hidden_states)}
     return {
         "fc.weight": (h, cfg.num_aux_hidden_states * cfg.target_hidden_size),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": (h, q),
+        **(fc_norm if cfg.fc_norm else {}),
+        **_attention_shapes(cfg),
         "midlayer.mlp.gate_proj.weight": (inter, h),
         "midlayer.mlp.up_proj.weight": (inter, h),
         "midlayer.mlp.down_proj.weight": (h, inter),
@@ -131,7 +154,7 @@ def sglang_weight_shapes(cfg: DraftModelConfig) -> dict[str, tuple[int, ...]]:
 def sglang_state_dict(model: Eagle3DraftModel, dtype: torch.dtype) -> dict[str, Tensor]:
     """Exactly SGLang's tensors (plus embed_tokens when SGLang cannot share the target's)."""
     state = model.state_dict()
-    keys = list(SGLANG_WEIGHT_KEYS) + ([] if model.config.shares_target_embedding else [_EMBED_KEY])
+    keys = list(sglang_weight_shapes(model.config)) + ([] if model.config.shares_target_embedding else [_EMBED_KEY])
     out = {}
     for key in keys:
         t = state[key].detach().cpu()
@@ -170,11 +193,24 @@ def _llama_layer_config(cfg: DraftModelConfig, target_config: dict, dtype: str) 
     }
 
 
+def _mla_layer_config(cfg: DraftModelConfig, target_config: dict, dtype: str) -> dict[str, Any]:
+    """The keys Eagle3DeepseekV2ForCausalLM and DeepseekV2AttentionMLA read, as a transformers DeepseekV3Config;
+    `rope_interleave` explicit (SGLang rotates MLA's rope pairs interleaved unless it is false)."""
+    layer = _llama_layer_config(cfg, target_config, dtype)
+    del layer["head_dim"], layer["attention_bias"], layer["mlp_bias"]
+    return {**layer, "model_type": "deepseek_v3", "num_key_value_heads": cfg.num_attention_heads,
+            "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rope_interleave": True}
+
+
 def build_sglang_config(cfg: DraftModelConfig, target_config: dict, dtype: str = "bfloat16") -> dict[str, Any]:
-    """config.json for SGLang's LlamaForCausalLMEagle3."""
+    """config.json for SGLang's LlamaForCausalLMEagle3 (or Eagle3DeepseekV2ForCausalLM for the MLA draft)."""
+    layer = _mla_layer_config if cfg.is_mla else _llama_layer_config
     config = {
-        "architectures": [SGLANG_ARCHITECTURE],
-        **_llama_layer_config(cfg, target_config, dtype),
+        "architectures": [sglang_architecture(cfg)],
+        **layer(cfg, target_config, dtype),
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "num_aux_hidden_states": cfg.num_aux_hidden_states,
@@ -216,6 +252,8 @@ def build_speculators_config(
         # vLLM's speculators adapter defaults a missing key to True; EAGLE/SpecForge/SGLang layout is False.
         "norm_before_residual": False,
         "norm_before_fc": False,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -258,14 +296,20 @@ def _draft_config_from_export(config: dict) -> DraftModelConfig:
         if any(name in verifier_arch.lower() for name in ("deepseek", "kimik25", "glm4moelite", "gptoss")):
             raise ValueError(f"load_exported: aux-id translation for a {verifier_arch} verifier is not one-to-one; "
                              "load the sglang/ export instead")
-        flat = {**layer, "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config.get("target_hidden_size")}
+        flat = {**layer, "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config.get("target_hidden_size"),
+                "fc_norm": config.get("fc_norm"), "norm_output": config.get("norm_output")}
     else:
         flat, ids = config, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     theta, scaling = target_rope_settings(flat)
+    mla = (config.get("architectures") or [None])[0] == SGLANG_MLA_ARCHITECTURE
     return DraftModelConfig(
+        architecture="deepseek_mla" if mla else "llama", fc_norm=bool(flat.get("fc_norm") or flat.get("use_aux_norm")),
+        norm_output=bool(flat.get("norm_output", False)),
+        **({name: flat[name] for name in MLA_DIMS} if mla else {}),
         hidden_size=flat["hidden_size"], intermediate_size=flat["intermediate_size"],
         num_attention_heads=flat["num_attention_heads"], num_key_value_heads=flat["num_key_value_heads"],
-        head_dim=flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"],
+        head_dim=flat["qk_nope_head_dim"] + flat["qk_rope_head_dim"] if mla
+        else flat.get("head_dim") or flat["hidden_size"] // flat["num_attention_heads"],
         vocab_size=flat["vocab_size"], draft_vocab_size=flat["draft_vocab_size"],
         target_hidden_size=flat.get("target_hidden_size") or flat["hidden_size"], aux_layer_ids=list(ids),
         rms_norm_eps=flat.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
@@ -302,13 +346,16 @@ def load_exported(
 def _check_config(config: dict, target_config: dict) -> list[Problem]:
     problems = []
     arch = config.get("architectures") or []
-    if arch != [SGLANG_ARCHITECTURE]:
+    if arch not in ([SGLANG_ARCHITECTURE], [SGLANG_MLA_ARCHITECTURE]):
         problems.append(Problem("architecture", f"architectures is {arch}: SGLang picks the draft class from "
-                                f"architectures[0] and only {SGLANG_ARCHITECTURE} loads this layout (a plain "
-                                "LlamaForCausalLM draft is not rewritten into it)"))
-    if config.get("model_type") != "llama":
-        problems.append(Problem("model_type", f"model_type is {config.get('model_type')!r}: SGLang parses the draft "
-                                "config as a transformers LlamaConfig and needs 'llama'"))
+                                f"architectures[0] and only {SGLANG_ARCHITECTURE} (GQA) or {SGLANG_MLA_ARCHITECTURE} "
+                                "(MLA) loads this layout (a plain LlamaForCausalLM draft is not rewritten into it)"))
+    model_type = _MODEL_TYPES.get(arch[0] if arch else "", "llama")
+    if config.get("model_type") != model_type:
+        problems.append(Problem("model_type", f"model_type is {config.get('model_type')!r}: SGLang parses the "
+                                f"{arch[0] if arch else 'draft'} config as transformers' {model_type!r} config"))
+    if arch == [SGLANG_MLA_ARCHITECTURE]:
+        problems += _check_mla_config(config)
     if config.get("num_hidden_layers") != 1:
         problems.append(Problem("num_hidden_layers", f"num_hidden_layers is {config.get('num_hidden_layers')}: SGLang "
                                 "would build extra decoder layers this one-layer checkpoint has no weights for "
@@ -334,6 +381,19 @@ def _check_config(config: dict, target_config: dict) -> list[Problem]:
                                 "fail or the features would not match"))
     problems += _check_rope_and_length(config, target_config)
     problems += _check_layer_ids(config, target_config)
+    return problems
+
+
+def _check_mla_config(config: dict) -> list[Problem]:
+    """What Eagle3DeepseekV2ForCausalLM reads and has no default for (kimi_k25_eagle3.py, deepseek_v2.py)."""
+    problems = [Problem("mla_dims", f"{name} is absent: {SGLANG_MLA_ARCHITECTURE} builds its multi-latent attention "
+                        "from it (and refuses a draft without q_lora_rank)") for name in MLA_DIMS if not config.get(name)]
+    if config.get("rope_interleave") is False:
+        problems.append(Problem("rope_interleave", "rope_interleave is false: SGLang then rotates MLA's rope part "
+                                "neox-style, while the draft was trained with interleaved pairs"))
+    if config.get("eagle_config", {}).get("norm_before_fc") or config.get("norm_before_fc"):
+        problems.append(Problem("norm_before_fc", f"norm_before_fc is set: {SGLANG_MLA_ARCHITECTURE} has no input_norm "
+                                "and ignores it"))
     return problems
 
 
@@ -406,7 +466,9 @@ def _check_weights(weights: dict[str, Tensor], config: dict) -> list[Problem]:
             problems.append(Problem("key_prefix", f"{key}: leftover prefix of {stripped}; SGLang drops names it does "
                                     "not know silently and the tensor stays at its initial value"))
         else:
-            problems.append(Problem("unknown_key", f"{key}: not a tensor of {SGLANG_ARCHITECTURE}; SGLang drops it silently"))
+            how = "with a warning" if cfg.is_mla else "silently"
+            problems.append(Problem("unknown_key", f"{key}: not a tensor of {sglang_architecture(cfg)}; SGLang drops "
+                                    f"it {how}"))
     if not cfg.shares_target_embedding and _EMBED_KEY not in weights:
         problems.append(Problem("missing_key", f"{_EMBED_KEY}: the draft is narrower than the target, so SGLang "
                                 "does not share the target's embedding and this one stays at its initial value"))
@@ -478,7 +540,7 @@ def validate_speculators_checkpoint(draft_dir: Path, target_config: dict) -> lis
     if not ids or not all(0 <= i <= num_layers - 1 for i in ids):
         problems.append(Problem("aux_layer_ids_range", f"ids {ids}: vLLM reads them as 'input of layer k' and needs "
                                 f"0..{num_layers - 1}; missing ids fall back to vLLM's default layers"))
-    expected = {k.replace("midlayer.", "layers.0.", 1) for k in SGLANG_WEIGHT_KEYS}
+    expected = {k.replace("midlayer.", "layers.0.", 1) for k in sglang_weight_shapes(_draft_config_from_export(config))}
     with safe_open(str(draft_dir / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     found = keys - {_EMBED_KEY}

@@ -1,17 +1,18 @@
 """`eagleops deploy-flows`: the work pools, the per-GPU-host queues and the deployments of infra/prefect.yaml.
 
 Owns what a team's Prefect server must hold before a worker can run anything: the `cpu` and
-`gpu` process pools, one `gpu` work queue per GPU host with a concurrency limit of 1, and the
-deployments (registered by `prefect --no-prompt deploy` in a subprocess, exactly as by hand).
-Every step is idempotent: a second call creates nothing and resets a changed queue limit to 1.
+`gpu` process pools, one `gpu` work queue per GPU host with a concurrency limit of 1, one global
+concurrency limit of 1 per GPU host (`gpu-host-<queue>`, taken by every GPU stage, tasks/runner/host_slots.py),
+and the deployments (registered by `prefect --no-prompt deploy` in a subprocess, exactly as by hand).
+Every step is idempotent: a second call creates nothing and resets a changed limit to 1.
 
-Why a work-queue concurrency limit (and not a global concurrency limit or a pool limit) for "one
-training per GPU host" in Prefect 3.9.1: the server checks it before it hands a run to the
-host's worker, so a second run waits as Scheduled, with no process started and no GPU memory
-taken, and the slot frees itself when the run ends however it ends (a crashed run leaves no
-held slot). A pool limit would cap all GPU hosts together; a global concurrency limit is taken
-inside a running flow (`with concurrency(...)` in code), so the second run would already hold
-the host while it waits.
+Why both a work-queue limit and a global concurrency limit for "one training per GPU host" in
+Prefect 3.9.1: the queue's limit is checked before the server hands a run to the host's worker,
+so a second deployment run of that queue waits as Scheduled, with no process started; but only
+runs of that queue see it. The global limit is taken inside the run by each GPU stage (`with
+concurrency(...)`), so it also holds a run started from the CLI, a UI run whose host override
+points elsewhere than its queue, and a nightly on another queue; such a run waits with its process
+started, holding no GPU. A pool limit would cap all GPU hosts together.
 
 Risk: `prefect deploy` imports each entrypoint to build its parameter schema, so a flow module
 that fails to import fails the registration (the error names it).
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
+from tasks.runner.host_slots import limit_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
@@ -117,3 +120,26 @@ def register_deployments(prefect_file: Path, project_dir: Path, names: list[str]
     command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *selection, "--prefect-file", str(prefect_file)]
     env = {**os.environ, "EAGLEOPS_PROJECT_DIR": str(project_dir)}
     return subprocess.run(command, cwd=project_dir, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def ensure_gpu_host_limits(client, hosts: list[str]) -> dict[str, str]:
+    """A global concurrency limit of 1 per GPU host; {limit name: "created" | "limit set" | "exists"}."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectNotFound
+
+    outcome = {}
+    for host in hosts:
+        name = limit_name(host)
+        try:
+            found = client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=RUNS_PER_GPU_HOST))
+            outcome[name] = "created"
+            continue
+        if found.limit != RUNS_PER_GPU_HOST or not found.active:
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=RUNS_PER_GPU_HOST,
+                                                                                      active=True))
+            outcome[name] = "limit set"
+        else:
+            outcome[name] = "exists"
+    return outcome

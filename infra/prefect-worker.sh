@@ -12,5 +12,8 @@ source "$(dirname "$0")/env.sh"
 pool="${1:?usage: $0 POOL [QUEUE]}"
 queue="${2:-}"
 cd "$EAGLEOPS_PROJECT_DIR"
+# A gpu worker's runs name this machine by its queue: their GPU stages take the global concurrency limit
+# gpu-host-<queue> (tasks/runner/host_slots.py), as a run from any other source on this host does.
+if [ "$pool" = gpu ] && [ -n "$queue" ]; then export EAGLEOPS_GPU_HOST="${EAGLEOPS_GPU_HOST:-$queue}"; fi
 exec prefect worker start --pool "$pool" ${queue:+--work-queue "$queue"} \
     --name "eagleops-$pool-$(hostname)" --install-policy never

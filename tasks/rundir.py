@@ -211,6 +211,19 @@ class RunDirectory:
         return manifest
 
 
+def folder_of_flow_run(runs_root: str | Path, experiment: str, flow_run_id: str) -> Path | None:
+    """The run folder whose manifest lists this Prefect flow run (a Retry's earlier attempt wrote it), newest
+    first; None when there is none."""
+    for folder in sorted((Path(runs_root) / experiment).glob("*"), reverse=True):
+        manifest = folder / MANIFEST
+        try:
+            if manifest.is_file() and flow_run_id in json.loads(manifest.read_text()).get("prefect_flow_run_ids", []):
+                return folder
+        except (OSError, ValueError):  # an unreadable manifest is no folder of this run
+            continue
+    return None
+
+
 def portable_paths(data: Any, run_path: Path, runs_root: Path | None) -> Any:
     """Every string that is an absolute path inside `run_path` -> `./<relative>`, inside `runs_root` ->
     relative to `run_path` (`../../cache/...`); stage inputs (`inputs`) are left as recorded."""

@@ -87,23 +87,38 @@ SPREAD_MODULES = {"tests/flows/test_train_nodes.py", "tests/flows/test_gpu_confi
                   "tests/eagle3/training/test_train.py", "tests/eagle3/training/test_streaming.py",
                   "tests/eagle3/data/test_generate.py", "tests/eagle3/serving/test_decoding.py",
                   "tests/eagle3/data/test_sglang_engine.py"}
-TEAM_MODULES = {"tests/infra/test_team_setup.py", "tests/browser/test_ui.py"}
+# The modules on the team setup (tests/team_servers.py: PostgreSQL, Prefect + MLflow servers, deploy-flows, a cpu
+# worker; ~25 s to start) in two units, each on one worker: one start each, and neither unit much longer than the
+# longest other work.
+TEAM_UNITS = {
+    "tests/infra/test_team_setup.py": "team-a", "tests/browser/test_ui.py": "team-a",
+    "tests/infra/test_automations.py": "team-a", "tests/infra/test_secret_blocks.py": "team-a",
+    "tests/flows/test_served_story.py": "team-b", "tests/infra/test_worker_killed.py": "team-b",
+    "tests/infra/test_gpu_host_slots.py": "team-b", "tests/infra/test_sweep_flow.py": "team-b",
+    "tests/infra/test_retry_mid_training.py": "team-b",
+}
 # Longest first, so no worker starts a long module when the others are nearly done (measured, --durations;
 # `make test` keeps this order with --no-loadscope-reorder).
-LONG_FIRST = ["tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
+LONG_FIRST = ["tests/infra/test_team_setup.py", "tests/browser/test_ui.py", "tests/infra/test_automations.py",
+              "tests/infra/test_secret_blocks.py", "tests/flows/test_served_story.py", "tests/infra/test_worker_killed.py",
+              "tests/infra/test_gpu_host_slots.py", "tests/infra/test_sweep_flow.py",
+              "tests/infra/test_retry_mid_training.py",
+              "tests/flows/test_train_nodes.py", "tests/flows/test_gpu_config_rehearsal.py",
               "tests/flows/test_interrupts.py", "tests/flows/test_regen_over_ssh.py", "tests/flows/test_nightly.py",
-              "tests/infra/test_team_setup.py", "tests/browser/test_ui.py", "tests/flows/test_disk_full.py",
+              "tests/flows/test_served_nights_flow.py", "tests/flows/test_watch.py",
+              "tests/tasks/tracking/test_registry_outage.py", "tests/flows/test_run_folder_lock.py",
+              "tests/flows/test_gpu_hours_flow.py", "tests/flows/test_disk_full.py",
               "tests/flows/test_stream_flow.py", "tests/flows/test_deploy_bench.py",
               "tests/tasks/tracking/test_tracking_outage.py", "tests/eagle3/training/test_train.py",
               "tests/eagle3/training/test_streaming.py", "tests/eagle3/data/test_generate.py"]
 
 
 def work_unit(nodeid: str) -> str:
-    """The unit a worker takes whole: the test itself in a spread module, the team, else its module."""
+    """The unit a worker takes whole: the test itself in a spread module, a team unit, else its module."""
     module = nodeid.split("::")[0]
     if module in SPREAD_MODULES:
         return nodeid
-    return "team" if module in TEAM_MODULES else module
+    return TEAM_UNITS.get(module, module)
 
 
 def pytest_xdist_make_scheduler(config, log):

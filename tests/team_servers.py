@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,9 +126,13 @@ def deployed(team_servers) -> dict:
     """`eagleops deploy-flows` (flows/nightly.py:nightly_retrain only once that module exists); its output."""
     names = [] if NIGHTLY_FLOW.is_file() else ["tiny", "environment-check", "data-train", "deploy-benchmark", "spec-sweep"]
     command = [sys.executable, "-m", "flows.cli", "deploy-flows", *[arg for n in names for arg in ("--only", n)]]
-    done = subprocess.run(command, cwd=REPO, env=team_servers.env, capture_output=True, text=True, timeout=300)
+    # The credentials infra/prefect.yaml's gpu deployments take from Secret blocks: saved from these (no SSH
+    # key passphrase: an empty value, as a team without one exports it)
+    credentials = {"HF_TOKEN": f"hf_test_{uuid.uuid4().hex}", "EAGLEOPS_SSH_KEY_PASSPHRASE": ""}
+    done = subprocess.run(command, cwd=REPO, env={**team_servers.env, **credentials}, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    return {"output": done.stdout, "nightly_deployed": not names}
+    return {"output": done.stdout, "nightly_deployed": not names, "credentials": credentials}
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@
 - Inside eagle3/, the wings from the bottom up: config/environment, draft, data, training,
   export, serving, then the command aliases (`python -m eagle3.serve`, `python -m eagle3.torchrun`).
 - Inside tasks/, the wings from the bottom up: config, then the run log and the run folder
-  (`tasks.log`, `tasks.rundir`), hosts, tracking, runner, stages.
+  (`tasks.log`, `tasks.rundir`, `tasks.run_lock`), hosts, tracking, watch, runner, stages.
+- The watch's decisions (`tasks/watch/rules.py`) import no outside world at all.
   A module may import its own wing and the wings below it, never one above.
 - No circular import anywhere in eagle3, tasks and flows.
 """
@@ -19,9 +20,11 @@ FORBIDDEN = {
     "eagle3": {"prefect", "mlflow", "paramiko", "yaml", "tasks", "flows", "typer"},
     "tasks": {"flows"},
 }
+# Modules of pure decisions: no orchestration, tracking or I/O library, so they are judged on figures alone.
+PURE_MODULES = {"tasks/watch/rules.py": {"prefect", "mlflow", "httpx", "requests", "paramiko", "eagle3", "flows"}}
 # Wings, bottom first; a module's wing is the one whose prefix its dotted name starts with
 EAGLE3_WINGS = [
-    ("eagle3.config", "eagle3.environment"),
+    ("eagle3.config", "eagle3.environment", "eagle3.figures"),
     ("eagle3.draft",),
     ("eagle3.data",),
     ("eagle3.training",),
@@ -31,9 +34,10 @@ EAGLE3_WINGS = [
 ]
 TASKS_WINGS = [
     ("tasks.config",),
-    ("tasks.log", "tasks.rundir"),
+    ("tasks.log", "tasks.rundir", "tasks.run_lock"),
     ("tasks.hosts",),
     ("tasks.tracking",),
+    ("tasks.watch",),
     ("tasks.runner",),
     ("tasks.stages",),
 ]
@@ -139,6 +143,11 @@ def test_layering():
             bad = imported_modules(path) & forbidden
             violations += [f"{path.relative_to(REPO)} imports {name}" for name in sorted(bad)]
     assert violations == []
+
+
+def test_pure_modules_import_no_outside_world():
+    found = {path: sorted(imported_modules(REPO / path) & banned) for path, banned in PURE_MODULES.items()}
+    assert {path: names for path, names in found.items() if names} == {}
 
 
 def test_every_eagle3_module_is_in_a_wing():

@@ -25,7 +25,9 @@ class HiddenStateDataset(Dataset):
 
     Reads lazily from the shards (safetensors slices), reopening files after a fork so it
     works with DataLoader workers. The manifest (`self.manifest`) must be complete, and every
-    shard must hold the dtype it names (a mixed-dtype dataset is refused).
+    shard must hold the dtype it names (a mixed-dtype dataset is refused). A shard entry's `file` may be an
+    absolute path and may name `rows` (its samples this dataset holds): a served night's dataset lists the
+    capture cache's shards (eagle3.data.served_capture).
 
     fp8 datasets (`dtype: float8_e4m3`): with decode="host" items carry the decoded bf16 aux
     states; with decode="device" they carry the stored e4m3 `aux_hidden_states` and their
@@ -58,7 +60,10 @@ class HiddenStateDataset(Dataset):
                 if entry["split"] == split:
                     lengths = fh.get_tensor("lengths").tolist()
                     offsets = [0, *itertools.accumulate(lengths)][:-1]
-                    self.index.extend((entry["file"], o, n) for o, n in zip(offsets, lengths, strict=True))
+                    rows = list(zip(offsets, lengths, strict=True))
+                    if "rows" in entry:  # a capture-cache shard (served nights): only these of its samples
+                        rows = [rows[r] for r in entry["rows"]]
+                    self.index.extend((entry["file"], o, n) for o, n in rows)
         self._handles: dict[str, object] = {}
         self._pid = os.getpid()
 

@@ -50,6 +50,8 @@ from eagle3.data.samples import (  # noqa: E402
     read_samples,
     write_samples,
 )
+from eagle3.data.capture_cache import capture_key  # noqa: E402
+from eagle3.data.served_capture import capture_served_night, uses_capture_cache  # noqa: E402
 from eagle3.data.served_source import prepare_served_samples  # noqa: E402
 from eagle3.data.server_pool import FailureLog  # noqa: E402
 from eagle3.data.target import load_engine_target  # noqa: E402
@@ -265,6 +267,7 @@ def _log_disk_bound(facts: dict, data_cfg: DataConfig, log: LogFn) -> None:
 def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_info, out_dir: Path) -> dict:
     """The JSON-able result of generate_dataset (no secrets)."""
     dump = dump or {"bytes_total": 0, "bytes_written": 0, "estimate_bytes": 0, "shards_reused": 0}
+    idle = meta.get("no_new_traffic")  # served: too few new samples, nothing captured and nothing to train
     return {
         **_token_stats(samples),
         "num_dropped": meta["dropped"],
@@ -282,11 +285,12 @@ def _summary(samples, meta, facts, dump, data_cfg: DataConfig, tokenizer, vocab_
         # served answers were not regenerated: their sampling settings are in served["sampling_params"]
         "regeneration": regeneration_settings(data_cfg.regenerate) if data_cfg.source == "prompts" else {},
         "served": meta.get("served"),
-        "vocab": vocab_info,
+        "no_new_traffic": idle,
+        "vocab": vocab_info or {},
         "paths": {
             "samples": str(out_dir / SAMPLES_FILE),
-            "vocab": str(out_dir / "vocab"),
-            "hidden_states": str(out_dir / "hidden_states") if data_cfg.hidden_states != "online" else None,
+            "vocab": str(out_dir / "vocab") if not idle else None,
+            "hidden_states": None if data_cfg.hidden_states == "online" or idle else str(out_dir / "hidden_states"),
             "failed": str(out_dir / FAILED_FILE) if meta.get("failed") else None,
         },
     }
@@ -343,9 +347,17 @@ def generate_dataset(
     with cpu_threads() if device == "cpu" else contextlib.nullcontext():
         samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
                                          open_endpoints)
-        vocab_info, dump = _vocab_and_states(
-            samples, meta, facts, open_engine, target_dir, target_cfg, data_cfg, out_dir, progress, log
-        )
+        if uses_capture_cache(data_cfg):  # served: only the samples no earlier night captured, plus the replay
+            key = capture_key(_target_identity(target_dir), facts["aux_layer_ids"], data_cfg.hidden_states_dtype,
+                              target_cfg.engine)
+            samples, meta, vocab_info, dump = capture_served_night(
+                samples, meta, facts, key, data_cfg, out_dir, open_engine,
+                lambda train: _build_vocab(train, facts, data_cfg, out_dir, progress), progress, log,
+                reserve_bytes=stream_reserve_bytes(data_cfg))
+        else:
+            vocab_info, dump = _vocab_and_states(
+                samples, meta, facts, open_engine, target_dir, target_cfg, data_cfg, out_dir, progress, log
+            )
     summary = _summary(samples, meta, facts, dump, data_cfg, tokenizer, vocab_info, out_dir)
     return summary | {"wall_s": time.perf_counter() - started}
 
@@ -353,13 +365,7 @@ def generate_dataset(
 def _vocab_and_states(samples, meta, facts, open_engine, target_dir, target_cfg, data_cfg, out_dir, progress, log):
     """Draft vocab from the train split, then the shards: every split (offline), the validation split (stream:
     training's side captures the train split while it runs), none (online)."""
-    progress("vocab", 0, 1)
-    train = [s for s in samples if s["split"] == "train"]
-    _, vocab_info = build_or_load_draft_vocab(
-        [s["input_ids"] for s in train], [s["loss_mask"] for s in train], data_cfg.draft_vocab_size,
-        facts["vocab_size"], out_dir / "vocab",
-    )
-    progress("vocab", 1, 1)
+    vocab_info = _build_vocab([s for s in samples if s["split"] == "train"], facts, data_cfg, out_dir, progress)
     if data_cfg.hidden_states == "online":
         return vocab_info, None
     fingerprint = _dump_fingerprint(meta["sha256"], facts["aux_layer_ids"], target_dir, target_cfg, data_cfg)
@@ -369,6 +375,17 @@ def _vocab_and_states(samples, meta, facts, open_engine, target_dir, target_cfg,
         dump = dump_hidden_states(extractor, samples, out_dir / "hidden_states", data_cfg, fingerprint, progress,
                                   log, splits=splits, reserve_bytes=reserve)
     return vocab_info, dump
+
+
+def _build_vocab(train: list[dict], facts: dict, data_cfg: DataConfig, out_dir: Path, progress: ProgressFn) -> dict:
+    """The draft vocabulary (top data.draft_vocab_size assistant tokens of the train split) in out_dir/vocab."""
+    progress("vocab", 0, 1)
+    _, vocab_info = build_or_load_draft_vocab(
+        [s["input_ids"] for s in train], [s["loss_mask"] for s in train], data_cfg.draft_vocab_size,
+        facts["vocab_size"], out_dir / "vocab",
+    )
+    progress("vocab", 1, 1)
+    return vocab_info
 
 
 def stream_reserve_bytes(data_cfg: DataConfig) -> int:

@@ -32,6 +32,10 @@ from eagle3.data.served_dumps import (
 )
 
 DAY_S = 86400.0
+# The capture cache's figures of a night (eagle3.data.served_capture) logged as metrics.
+CACHE_METRICS = ("new_samples", "known_samples", "replayed_samples", "replay_pool", "tokens_captured",
+                 "bytes_captured", "bytes", "budget_bytes", "shards", "samples", "evicted_shards", "evicted_samples",
+                 "evicted_bytes")
 
 
 def resolve_window(served: ServedDumpsConfig, now: float) -> tuple[float | None, float | None]:
@@ -154,4 +158,8 @@ def served_metrics(summary: dict) -> dict[str, int]:
         metrics |= {"served_files_read": len(served["files_read"]), "served_files_skipped":
                     len(served["files_skipped"]), "served_files_refused": len(served["files_refused"]),
                     "served_sampling_settings": len(served["sampling_params"])}
+    cache = served.get("cache") or {}
+    metrics |= {f"served_{key}": cache[key] for key in CACHE_METRICS if key in cache}
+    if cache:
+        metrics["served_no_new_traffic"] = int(bool(summary.get("no_new_traffic")))
     return metrics

@@ -561,13 +561,71 @@ def _thread_count(requested: int, own_threads: int = 0) -> int:
     On a shared machine, OpenMP threads that outnumber the free cores spin in barriers while
     a peer is descheduled: measured on 2 cores with another job running, a training step
     went from 1.0 s (1 thread) to 5 s (2 threads) and a generate step from 7 ms to 200 ms.
-    The 1-minute load average minus our own threads estimates the busy cores.
+    The 1-minute load average minus our own threads estimates the busy cores; more than one thread only
+    where a quick measurement (parallel_speedup) shows they pay on this machine.
     """
     if requested:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     others = max(0.0, os.getloadavg()[0] - own_threads) if hasattr(os, "getloadavg") else 0.0
-    return max(1, cores - int(others + 0.5))
+    if others >= 0.5:  # the load average also counts this process's last minute (the stage before): look now
+        others = min(others, busy_cores_elsewhere())
+    free = max(1, cores - int(others + 0.5))
+    return free if free == 1 or parallel_speedup(free) >= MIN_PARALLEL_SPEEDUP else 1
+
+
+def busy_cores_elsewhere(window_s: float = 0.3) -> float:
+    """Cores kept busy over the next `window_s` by processes other than this one (its reaped children neither)."""
+    import psutil  # imported where used, as in eagle3.data.placement
+
+    me = psutil.Process()
+
+    def busy() -> tuple[float, float]:
+        t, own = psutil.cpu_times(), me.cpu_times()
+        return (t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0),
+                own.user + own.system + own.children_user + own.children_system)
+
+    (machine0, own0), start = busy(), time.monotonic()
+    time.sleep(window_s)
+    (machine1, own1), elapsed = busy(), time.monotonic() - start
+    return max(0.0, (machine1 - machine0) - (own1 - own0)) / elapsed
+
+
+# More threads must be at least this much faster to be used. Some machines lose from a second thread even with
+# both cores idle: on the 2-vCPU VMs our CI runs on, 2 threads ran the demo's regeneration 3-5x slower than 1
+# at load average 0.0 (issue 38).
+MIN_PARALLEL_SPEEDUP = 1.3
+_SPEEDUP_TTL_S = 300.0
+_speedups: dict[int, tuple[float, float]] = {}  # threads -> (measured at, speedup)
+
+
+def parallel_speedup(threads: int) -> float:
+    """How much faster `threads` torch threads run a step shaped like the demo's ops than one thread does
+    (a [2048, 64] x [64, 512] product and its softmax: small ops, where a second thread's fork and join costs
+    most), best of 3 rounds each (~0.1 s on an idle machine), measured now and kept for a few minutes."""
+    now = time.monotonic()
+    if threads in _speedups and now - _speedups[threads][0] < _SPEEDUP_TTL_S:
+        return _speedups[threads][1]
+    rows, weight = torch.randn(2048, 64), torch.randn(64, 512)
+    previous = torch.get_num_threads()
+
+    def best_time(n: int) -> float:
+        torch.set_num_threads(n)
+        torch.softmax(rows @ weight, dim=-1)  # wake the thread pool
+        rounds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.softmax(rows @ weight, dim=-1)
+            rounds.append(time.perf_counter() - start)
+        return min(rounds)
+
+    try:
+        speedup = best_time(1) / best_time(threads)
+    finally:
+        torch.set_num_threads(previous)
+    _speedups[threads] = (now, speedup)
+    return speedup
 
 
 @contextlib.contextmanager

@@ -241,7 +241,8 @@ def accumulating_linear(x: Tensor, slot: WeightGradSlot) -> Tensor:
 class FusedLayerWeights:
     """The layer's projection weights for one TTT unroll (compute dtype, fused where the inputs are shared).
 
-    qkv [(nh + 2 n_kv) d, 2H] = cat(q_proj, k_proj, v_proj); o [H, nh d]; gate_up [2F, H] =
+    qkv [(nh + 2 n_kv) d, 2H] = cat(q_proj, k_proj, v_proj) (MLA: qkv_a = cat(q_a_proj, kv_a_proj_with_mqa),
+    q_b, kv_b); o [H, nh d]; gate_up [2F, H] =
     cat(gate_proj, up_proj); down [H, F]; fc [H, k H_t] where given. Gradients flow back to the
     parameters once per unroll.
     """
@@ -262,8 +263,8 @@ class FusedLayerWeights:
 def fuse_layer_weights(layer: nn.Module, dtype: torch.dtype | None, fc: nn.Linear | None = None) -> FusedLayerWeights:
     """`FusedLayerWeights` of an `Eagle3DecoderLayer` (and the draft's bias-free `fc`, if given), in `dtype`
     (None: the parameters' own)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    groups = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], "o": [attn.o_proj.weight],
+    mlp = layer.mlp
+    groups = {**layer.self_attn.weight_groups(),  # GQA: qkv, o; MLA: qkv_a, q_b, kv_b, o
               "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight], "down": [mlp.down_proj.weight]}
     if fc is not None and fc.bias is None:
         groups["fc"] = [fc.weight]

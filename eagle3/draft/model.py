@@ -13,6 +13,12 @@ Layer math (sgl-project/sglang `python/sglang/srt/models/llama_eagle3.py`, `Llam
     out = r + mlp(post_attention_layernorm(r))                # pre-norm output -> next step
     logits = lm_head(norm(out))                               # [B, T, Vd]
 
+Two architectures share this layer: `llama` (GQA, `LlamaForCausalLMEagle3`) and `deepseek_mla`
+(DeepSeek-V2 multi-latent attention, `Eagle3DeepseekV2ForCausalLM` in sglang `srt/models/
+kimi_k25_eagle3.py`; the attention is in `eagle3/draft/mla.py`); everything around the attention is
+the same module. Both take the EAGLE-3.1 options of SGLang's classes: `fc_norm` (an RMSNorm per aux
+state before `fc`) and `norm_output` (the next draft step gets norm(out) instead of out).
+
 Risk: SGLang loads weights by name and silently skips unknown ones, so module and buffer
 names here ARE the checkpoint format (`embed_tokens`, `fc`, `midlayer.*`, `norm`,
 `lm_head`, `d2t`, `t2d`); `eagle3/export.py` checks them against SGLang's list.
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eagle3.draft.masks import build_causal_mask, build_ttt_attention_mask
+from eagle3.draft.mla import MLAAttention, yarn_factors, yarn_inv_freq
 from eagle3.draft.fused_layer import FusedLayerWeights, compile_upcast, fuse_layer_weights, uncompile_upcast
 from eagle3.draft.silu_mul import compile_silu_mul, silu_mul, uncompile_silu_mul
 
@@ -38,7 +45,9 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "deepseek_yarn")
+ARCHITECTURES = ("llama", "deepseek_mla")
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def target_rope_settings(target_config: dict[str, Any]) -> tuple[float, dict | None]:
@@ -57,7 +66,9 @@ def target_rope_settings(target_config: dict[str, Any]) -> tuple[float, dict | N
 
 @dataclass
 class DraftModelConfig:
-    """Shape of the one-layer EAGLE-3 draft (SGLang `LlamaForCausalLMEagle3`)."""
+    """Shape of the one-layer EAGLE-3 draft (SGLang `LlamaForCausalLMEagle3`, or with architecture
+    `deepseek_mla` its `Eagle3DeepseekV2ForCausalLM`: then heads are MLA heads, num_key_value_heads =
+    num_attention_heads and head_dim = qk_nope_head_dim + qk_rope_head_dim)."""
 
     hidden_size: int
     intermediate_size: int
@@ -73,8 +84,17 @@ class DraftModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
+    architecture: str = "llama"
+    fc_norm: bool = False  # EAGLE-3.1: RMSNorm of each aux state before fc
+    norm_output: bool = False  # EAGLE-3.1: the next draft step gets norm(out), not out
+    q_lora_rank: int | None = None  # MLA dims (deepseek_mla only), as the target's config names them
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_architecture()
         if not self.aux_layer_ids:
             raise ValueError("DraftModelConfig.aux_layer_ids: expected at least one layer id, found none")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -89,6 +109,32 @@ class DraftModelConfig:
         rope_type = _rope_type(self.rope_scaling)
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope_scaling type: expected one of {_ROPE_TYPES}, found {rope_type!r}")
+        if rope_type in ("yarn", "deepseek_yarn") and self.architecture != "deepseek_mla":
+            raise ValueError(f"rope_scaling type {rope_type!r}: only the deepseek_mla draft implements (DeepSeek) YaRN")
+
+    def _check_architecture(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture: expected one of {ARCHITECTURES}, found {self.architecture!r}")
+        if self.architecture != "deepseek_mla":
+            return
+        missing = [name for name in MLA_DIMS if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"architecture deepseek_mla: {missing} must be set (from the target's config or "
+                             "train.draft); SGLang's Eagle3DeepseekV2ForCausalLM requires q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (rotated in pairs), found {self.qk_rope_head_dim}")
+        if self.num_key_value_heads != self.num_attention_heads or self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError("architecture deepseek_mla: num_key_value_heads must equal num_attention_heads and head_dim "
+                             "must be qk_nope_head_dim + qk_rope_head_dim")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.architecture == "deepseek_mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Width RoPE rotates: the whole head (llama) or the MLA rope part."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def num_aux_hidden_states(self) -> int:
@@ -110,13 +156,19 @@ class DraftModelConfig:
     def from_target_config(
         cls, target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any
     ) -> DraftModelConfig:
-        """Draft shape copied from the target's HF config; `overrides` (None values ignored) win.
+        """Draft shape copied from the target's HF config (a multimodal wrapper's `text_config`); `overrides`
+        (None values ignored) win.
 
         Overriding the width or the head count without `head_dim` recomputes head_dim.
         """
         overrides = {k: v for k, v in overrides.items() if v is not None}
+        if "hidden_size" not in target_config and isinstance(target_config.get("text_config"), dict):
+            target_config = target_config["text_config"]  # a multimodal wrapper (Kimi-K2.5): its language model
         theta, scaling = target_rope_settings(target_config)
         heads = target_config["num_attention_heads"]
+        if overrides.get("architecture") == "deepseek_mla":
+            return cls._mla_from_target_config(target_config, draft_vocab_size, aux_layer_ids, overrides)
+        overrides = {k: v for k, v in overrides.items() if k not in MLA_DIMS}
         values: dict[str, Any] = {
             "hidden_size": target_config["hidden_size"],
             "intermediate_size": target_config["intermediate_size"],
@@ -137,11 +189,37 @@ class DraftModelConfig:
             values["head_dim"] = overrides.get("hidden_size", values["hidden_size"]) // overrides.get(
                 "num_attention_heads", heads
             )
-        unknown = set(overrides) - set(values)
+        unknown = set(overrides) - set(values) - {"architecture", "fc_norm", "norm_output"}
         if unknown:
             raise ValueError(f"from_target_config: unknown override(s) {sorted(unknown)}")
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def _mla_from_target_config(cls, target_config: dict, draft_vocab_size: int, aux_layer_ids: list[int],
+                                overrides: dict[str, Any]) -> DraftModelConfig:
+        """The MLA draft: width, heads and MLA dims from the target (Kimi-K2.x / DeepSeek-V3 name them as SGLang
+        reads them), `overrides` win; the MLP is the dense one (the target's `intermediate_size`)."""
+        if "num_key_value_heads" in overrides or "head_dim" in overrides:
+            raise ValueError("architecture deepseek_mla: set the MLA dims (qk_nope_head_dim, qk_rope_head_dim, ...), "
+                             "not num_key_value_heads or head_dim")
+        mla = {name: overrides.pop(name, target_config.get(name)) for name in MLA_DIMS}
+        theta, scaling = target_rope_settings(target_config)
+        heads = overrides.pop("num_attention_heads", target_config["num_attention_heads"])
+        values: dict[str, Any] = {
+            "hidden_size": target_config["hidden_size"], "intermediate_size": target_config["intermediate_size"],
+            "vocab_size": target_config["vocab_size"], "draft_vocab_size": draft_vocab_size,
+            "target_hidden_size": target_config["hidden_size"], "aux_layer_ids": list(aux_layer_ids),
+            "rms_norm_eps": target_config.get("rms_norm_eps", 1e-6), "rope_theta": theta, "rope_scaling": scaling,
+            "max_position_embeddings": target_config.get("max_position_embeddings", 2048),
+            "hidden_act": target_config.get("hidden_act", "silu"),
+        }
+        unknown = set(overrides) - set(values) - {"architecture", "fc_norm", "norm_output"}
+        if unknown:
+            raise ValueError(f"from_target_config: unknown override(s) {sorted(unknown)}")
+        values.update(overrides)
+        head_dim = (mla["qk_nope_head_dim"] or 0) + (mla["qk_rope_head_dim"] or 0)
+        return cls(**values, **mla, num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim)
 
 
 def _rope_type(scaling: dict | None) -> str:
@@ -152,8 +230,10 @@ def _rope_type(scaling: dict | None) -> str:
 
 def compute_rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
     """RoPE inverse frequencies [head_dim/2] (fp32), with HF's `linear` and `llama3` scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     rope_type = _rope_type(scaling)
+    if rope_type in ("yarn", "deepseek_yarn"):
+        return yarn_inv_freq(head_dim, theta, scaling).float()
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
@@ -189,11 +269,13 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for arbitrary position ids; `inv_freq` stays fp32 under `.to(bf16)`."""
+    """cos/sin tables for arbitrary position ids; `inv_freq` stays fp32 under `.to(bf16)`. Over the MLA rope
+    part for the MLA draft, whose DeepSeek YaRN also scales cos/sin (`magnitude`, 1 otherwise)."""
 
     def __init__(self, config: DraftModelConfig) -> None:
         super().__init__()
-        self._args = (config.head_dim, config.rope_theta, config.rope_scaling)
+        self._args = (config.rope_dim, config.rope_theta, config.rope_scaling)
+        self.magnitude = yarn_factors(config.rope_scaling)[0] if config.is_mla else 1.0
         self.register_buffer("inv_freq", compute_rope_inv_freq(*self._args), persistent=False)
 
     def _apply(self, fn, recurse=True):  # keep RoPE frequencies exact when the model is cast
@@ -205,6 +287,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, d/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, d]
+        if self.magnitude != 1.0:
+            return (emb.cos() * self.magnitude).to(dtype), (emb.sin() * self.magnitude).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -234,6 +318,16 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.value_dim = d
+
+    def output(self, attn: Tensor) -> Tensor:
+        """attn [B, nh, T, d] -> [B, T, nh d], o_proj's input."""
+        b, _, t, _ = attn.shape
+        return attn.transpose(1, 2).reshape(b, t, -1)
+
+    def weight_groups(self) -> dict[str, list[Tensor]]:
+        """The weights as the fused unroll groups them (eagle3.draft.fused_layer): q/k/v read the same x."""
+        return {"qkv": [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], "o": [self.o_proj.weight]}
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor, weights: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, 2H] -> q [B, nh, T, d], k/v [B, n_kv, T, d], RoPE applied to q and k."""
@@ -266,7 +360,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def __init__(self, config: DraftModelConfig) -> None:
         super().__init__()
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = MLAAttention(config) if config.is_mla else Eagle3Attention(config)
         self.mlp = Eagle3MLP(config)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -280,9 +374,8 @@ class Eagle3DecoderLayer(nn.Module):
 
     def finish(self, attn: Tensor, hidden_states: Tensor, weights: dict | None = None) -> Tensor:
         """attn [B, nh, T, d]; hidden_states [B, T, H] (un-normed residual) -> pre-norm output [B, T, H]."""
-        b, _, t, _ = attn.shape
         o_proj = _weight(weights, "midlayer.self_attn.o_proj.weight", self.self_attn.o_proj.weight)
-        residual = hidden_states + F.linear(attn.transpose(1, 2).reshape(b, t, -1), o_proj)
+        residual = hidden_states + F.linear(self.self_attn.output(attn), o_proj)
         return residual + self.mlp(self.post_attention_layernorm(residual), weights)
 
 
@@ -307,6 +400,9 @@ class Eagle3DraftModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(not config.shares_target_embedding)
         self.fc = nn.Linear(config.num_aux_hidden_states * config.target_hidden_size, config.hidden_size, bias=False)
+        # EAGLE-3.1: one RMSNorm per aux state (SGLang's `fc_norm.{i}`), before fc
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                     for _ in range(config.num_aux_hidden_states)) if config.fc_norm else None
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -340,13 +436,16 @@ class Eagle3DraftModel(nn.Module):
                 f"({self.config.num_aux_hidden_states} x {self.config.target_hidden_size}), "
                 f"found {aux_hidden_states.shape[-1]}"
             )
+        if self.fc_norm is not None:  # [B, T, k*H_t] -> k chunks [B, T, H_t], each normed by its own RMSNorm
+            chunks = aux_hidden_states.chunk(self.config.num_aux_hidden_states, dim=-1)
+            aux_hidden_states = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         if isinstance(weights, FusedLayerWeights) and "fc" in weights.slots:
             return weights.linear("fc", aux_hidden_states.to(weights.weight("fc").dtype))
         return self.fc(aux_hidden_states)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """Pre-norm hidden [B, T, H] -> draft logits [B, T, Vd]."""
-        return self.lm_head(self.norm(hidden_states))
+        """What `decoder_step` returns [B, T, H] (pre-norm; with norm_output already normed) -> logits [B, T, Vd]."""
+        return self.lm_head(hidden_states if self.config.norm_output else self.norm(hidden_states))
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocab ids -> target-vocab ids (d2t holds offsets, as SGLang's `hot_token_id`)."""
@@ -403,7 +502,8 @@ class Eagle3DraftModel(nn.Module):
             position_ids: [B, T]; attention_mask: bool [B, 1, T, S_past+T], True = attend
             (None = causal over past + new); past_key_value: (k, v) [B, n_kv, S_past, d] or None.
         Returns:
-            pre-norm output [B, T, H] and (k_all, v_all) [B, n_kv, S_past+T, d], RoPE applied to k.
+            the next step's hidden [B, T, H] (pre-norm output; norm(output) with norm_output) and
+            (k_all, v_all) [B, n_kv, S_past+T, d], RoPE applied to k (MLA: expanded heads, v zero-padded to d).
         """
         cos, sin = self.rotary_emb(position_ids, hidden_states.dtype)
         q, k, v = self.midlayer.qkv(self._embed(input_ids, hidden_states.dtype), hidden_states, cos, sin)
@@ -417,7 +517,8 @@ class Eagle3DraftModel(nn.Module):
         else:
             mask = attention_mask if attention_mask is not None else build_causal_mask(q.shape[2], past_len, q.device)
             attn = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
-        return self.midlayer.finish(attn, hidden_states), (k, v)
+        out = self.midlayer.finish(attn, hidden_states)
+        return (self.norm(out) if self.config.norm_output else out), (k, v)
 
     # ------------------------------------------------------------------ training-time test
 
@@ -462,15 +563,18 @@ class Eagle3DraftModel(nn.Module):
             weights: optional `cast_layer_weights` copies to use instead of the parameters, or
                 `fused_layer_weights` (the training path: fused GEMMs, weight gradients summed in them).
         Returns:
-            pre-norm output [B, T, H]; with return_normed also norm(output) (the lm_head input).
+            the next step's hidden [B, T, H]: the pre-norm output, or with norm_output norm(output) (SGLang's
+            EAGLE-3.1 aux); with return_normed also norm(output) (the lm_head input).
         """
         if isinstance(weights, FusedLayerWeights):
             out, normed = self._fused_ttt_step(input_ids, hidden_states, position_ids, cache, attn_impl, weights)
-            return (out, normed) if return_normed else out
-        q, k, v = self._qkv_fn(input_ids, hidden_states, position_ids, weights)
-        cache.append(k, v)
-        attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)
-        out, normed = self._finish_fn(attn, hidden_states, weights)
+        else:
+            q, k, v = self._qkv_fn(input_ids, hidden_states, position_ids, weights)
+            cache.append(k, v)
+            attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)
+            out, normed = self._finish_fn(attn, hidden_states, weights)
+        if self.config.norm_output:
+            out = normed
         return (out, normed) if return_normed else out
 
     def _fused_ttt_step(self, input_ids: Tensor, hidden_states: Tensor, position_ids: Tensor, cache: TTTCache,
@@ -480,13 +584,17 @@ class Eagle3DraftModel(nn.Module):
         The GEMMs stay outside the compiled graphs so that each weight's gradient over the unroll
         is summed inside its backward GEMMs instead of by autograd's adds. A SiLU MLP's activation is
         `silu_mul` (its backward stores d gate and d up in one pass)."""
-        b, t, _ = hidden_states.shape
         pieces = self._pieces
         x = pieces["input"](input_ids, hidden_states)  # [B, T, 2H]
-        q, k, v = pieces["rope"](weights.linear("qkv", x), position_ids)  # [B, nh | n_kv, T, d]
+        if self.config.is_mla:
+            q_lat, kv_lat, k_pe = pieces["mla_latents"](weights.linear("qkv_a", x))  # [B, T, r_q | r_kv | d_r]
+            q, k, v = pieces["mla_heads"](weights.linear("q_b", q_lat), weights.linear("kv_b", kv_lat), k_pe,
+                                          position_ids)  # [B, nh, T, d_n + d_r] (v padded)
+        else:
+            q, k, v = pieces["rope"](weights.linear("qkv", x), position_ids)  # [B, nh | n_kv, T, d]
         cache.append(k, v)
         attn = ttt_attention(q, cache.keys, cache.values, impl=attn_impl)  # [B, nh, T, d]
-        attn_out = weights.linear("o", attn.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
+        attn_out = weights.linear("o", self.midlayer.self_attn.output(attn))  # [B, T, H]
         residual, normed_r = pieces["post_attention"](hidden_states, attn_out)
         gate_up = weights.linear("gate_up", normed_r)  # [B, T, 2F]
         mlp_in = silu_mul(gate_up) if self.midlayer.mlp.act is F.silu else pieces["act"](gate_up)  # [B, T, F]
@@ -508,6 +616,10 @@ class Eagle3DraftModel(nn.Module):
         k = apply_rotary(k.view(b, t, n_kv, d).transpose(1, 2), cos, sin)
         return q, k, v.view(b, t, n_kv, d).transpose(1, 2)
 
+    def _fused_mla_heads(self, q: Tensor, kv: Tensor, k_pe: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cos, sin = self.rotary_emb(position_ids, q.dtype)
+        return self.midlayer.self_attn.heads(q, kv, k_pe, cos, sin)
+
     def _fused_post_attention(self, hidden_states: Tensor, attn_out: Tensor) -> tuple[Tensor, Tensor]:
         residual = hidden_states + attn_out
         return residual, self.midlayer.post_attention_layernorm(residual)
@@ -521,8 +633,11 @@ class Eagle3DraftModel(nn.Module):
         return out, self.norm(out)
 
     def _fused_pieces(self) -> dict[str, Callable]:
-        return {"input": self._fused_input, "rope": self._fused_rope, "post_attention": self._fused_post_attention,
-                "act": self._fused_act, "final": self._fused_final}
+        pieces = {"input": self._fused_input, "rope": self._fused_rope, "post_attention": self._fused_post_attention,
+                  "act": self._fused_act, "final": self._fused_final}
+        if self.config.is_mla:
+            pieces.update(mla_latents=self.midlayer.self_attn.latents, mla_heads=self._fused_mla_heads)
+        return pieces
 
     def compile_layer(self, **compile_kwargs: Any) -> None:
         """torch.compile the layer's elementwise pieces (both step forms) and the TTT attention's merge math."""

@@ -27,6 +27,7 @@ Both only change which tokens are proposed, never what is output.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Protocol, Sequence
@@ -84,6 +85,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS or self.top_k == 1
+
+
+# --------------------------------------------------------------------------- forward timings
+
+
+class ForwardTimer:
+    """Wall seconds of each forward, by SGLang's device-timer category (`srt/utils/device_timer.py` callers:
+    `extend` = prefill, `decode` = a plain decode step, `target_verify`, `eagle_draft_extend`, `eagle_draft` =
+    the whole multi-step draft), handed to `on_forward(category, seconds)`; a no-op while that is None."""
+
+    def __init__(self, on_forward: Callable[[str, float], None] | None = None) -> None:
+        self.on_forward = on_forward
+
+    @contextmanager
+    def __call__(self, category: str):
+        if self.on_forward is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.on_forward(category, time.perf_counter() - start)
 
 
 # --------------------------------------------------------------------------- target
@@ -454,6 +478,7 @@ class Eagle3Drafter:
         if torch.equal(self.hot_token_ids, torch.arange(vd)):
             self.hot_token_ids = None
         self.vocab_size = int(model.config.vocab_size)
+        self.timer = ForwardTimer()  # the engine hands its own in: draft extend and draft steps timed apart
 
     def start(self, input_ids, aux):
         # entry j pairs feature j with token j+1: tokens x_1..x_{L-1}, features 0..L-2
@@ -467,7 +492,12 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, state, spec, sample_temperature, generator):
-        last_hidden, first_logits = self._draft_extend(state)
+        with self.timer("eagle_draft_extend"):
+            last_hidden, first_logits = self._draft_extend(state)
+        with self.timer("eagle_draft"):
+            return self._grow_tree(state, spec, sample_temperature, generator, last_hidden, first_logits)
+
+    def _grow_tree(self, state, spec, sample_temperature, generator, last_hidden, first_logits):
         p = state.committed_len
         rows = _EagleRows(hidden=last_hidden, slots=[[]])  # frontier rows: input hidden + ancestor slots
 
@@ -609,6 +639,10 @@ class SpeculativeEngine:
         if missing:
             raise ValueError(f"target returns aux indices {target.aux_hidden_indices}, drafter needs {sorted(missing)}")
         self.target, self.drafter, self.spec = target, drafter, spec
+        self.timer = ForwardTimer()  # set timer.on_forward to receive each forward's seconds
+        self._drafter_timed = hasattr(drafter, "timer")  # times its draft extend and its steps apart
+        if self._drafter_timed:
+            drafter.timer = self.timer
         self._seed = seed
         self._requests = 0
 
@@ -632,8 +666,9 @@ class SpeculativeEngine:
         seed = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._requests
         state = RequestState(list(prompt_ids), sampling, [], self.target.new_cache(), None,
                              torch.Generator().manual_seed(seed), RequestStats(), time.perf_counter())
-        logits, aux = self.target.forward(torch.tensor([state.prompt_ids]), state.cache, with_aux=self.speculative,
-                                          last_only=True)
+        with self.timer("extend"):
+            logits, aux = self.target.forward(torch.tensor([state.prompt_ids]), state.cache,
+                                              with_aux=self.speculative, last_only=True)
         first = self._sample(logits, state)[0]
         self._commit(state, [first])
         if self.speculative and not state.finished:
@@ -646,7 +681,8 @@ class SpeculativeEngine:
         assert not state.finished
         if not self.speculative:
             position = torch.tensor([[cache_length(state.cache)]])
-            logits, _ = self.target.forward(torch.tensor([[state.output_ids[-1]]]), state.cache, position)
+            with self.timer("decode"):
+                logits, _ = self.target.forward(torch.tensor([[state.output_ids[-1]]]), state.cache, position)
             return self._commit(state, [self._sample(logits, state)[0]])
         return self._speculative_step(state)
 
@@ -666,11 +702,13 @@ class SpeculativeEngine:
     def _speculative_step(self, state: RequestState) -> list[int]:
         spec, sampling = self.spec, state.sampling
         sampled_chain = not sampling.greedy and spec.topk == 1
-        tree = self.drafter.propose(state.draft_state, spec, sampling.temperature if sampled_chain else None,
-                                    state.generator)
+        with nullcontext() if self._drafter_timed else self.timer("eagle_draft"):
+            tree = self.drafter.propose(state.draft_state, spec, sampling.temperature if sampled_chain else None,
+                                        state.generator)
         prefix = cache_length(state.cache)
         input_ids, position_ids, mask = tree.verify_inputs(prefix, self.target.dtype)
-        logits, aux = self.target.forward(input_ids, state.cache, position_ids, mask, with_aux=True)  # [N, V]
+        with self.timer("target_verify"):
+            logits, aux = self.target.forward(input_ids, state.cache, position_ids, mask, with_aux=True)  # [N, V]
         if sampling.greedy:
             path, bonus = verify_greedy(tree, logits)
         elif sampled_chain:

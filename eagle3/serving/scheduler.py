@@ -90,17 +90,43 @@ class Metrics:
         self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
-        self.spec_verify_calls = Counter("sglang:spec_verify_calls", "Verify forwards of finished requests.",
-                                         ln, registry=r).labels(**self.labels)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
-                                         ln, registry=r).labels(**self.labels)
+        # SGLang's TokenizerMetricsCollector: counted once per finished request (observe_one_finished_request),
+        # labelled model_name + engine_type (+ is_streaming), children made at the first request that needs them.
+        tokenizer_labels = ("model_name", "engine_type")
+        self.tokenizer_labels = {k: self.labels[k] for k in tokenizer_labels}
+        self.spec_verify_calls_total = Counter("sglang:spec_verify_calls_total",
+                                               "Number of speculative decoding verification calls.",
+                                               tokenizer_labels, registry=r)
+        self.generation_tokens_total = Counter("sglang:generation_tokens_total", "Number of generation tokens processed.",
+                                               (*tokenizer_labels, "is_streaming"), registry=r)
+        self.prompt_tokens_total = Counter("sglang:prompt_tokens_total", "Number of prefill tokens processed.",
+                                           (*tokenizer_labels, "is_streaming"), registry=r)
+        self.num_requests_total = Counter("sglang:num_requests_total", "Number of requests processed.",
+                                          (*tokenizer_labels, "is_streaming"), registry=r)
         self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               ln, registry=r).labels(**self.labels)
         self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
                              ln, registry=r).labels(**self.labels)
+        # SGLang's device-timer series (with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1): seconds of forward passes by
+        # category; here wall seconds of each request's forwards, which run one after another (batch size 1).
+        self.forward_execution_seconds_total = Counter(
+            "sglang:forward_execution_seconds_total", "Total time that GPU is busy executing model forward passes. "
+            "Refer to ForwardMode for category labels.", (*ln, "category"), registry=r)
         if spec is not None:
             self.spec_num_steps.set(spec.num_steps)
             self.spec_num_draft_tokens.set(spec.num_draft_tokens)
+
+    def observe_forward(self, category: str, seconds: float) -> None:
+        self.forward_execution_seconds_total.labels(**self.labels, category=category).inc(seconds)
+
+    def observe_finished(self, prompt_tokens: int, generation_tokens: int, verify_ct: int, streaming: bool) -> None:
+        """One finished request's counts, as SGLang's observe_one_finished_request adds them."""
+        stream_labels = {**self.tokenizer_labels, "is_streaming": "true" if streaming else "false"}
+        self.prompt_tokens_total.labels(**stream_labels).inc(prompt_tokens)
+        self.generation_tokens_total.labels(**stream_labels).inc(generation_tokens)
+        self.num_requests_total.labels(**stream_labels).inc()
+        if verify_ct > 0:
+            self.spec_verify_calls_total.labels(**self.tokenizer_labels).inc(verify_ct)
 
 
 class DecodeStats:
@@ -200,6 +226,7 @@ class Scheduler(threading.Thread):
         try:
             self.engine, self.tokenizer = load_engine(self.settings)
             self._warmup()
+            self.engine.timer.on_forward = self.metrics.observe_forward  # after the warm-up: served forwards only
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             self.load_error = f"{type(e).__name__}: {e}"
             logger.error(f"Failed to load the model: {self.load_error}")
@@ -276,7 +303,6 @@ class Scheduler(threading.Thread):
     def _after_tokens(self, req: ServeRequest, new: list[int]) -> None:
         """Account new tokens, apply stop strings, stream, finish."""
         self.stats.window_tokens += len(new)
-        self.metrics.generation_tokens.inc(len(new))
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
             self.metrics.ttft.observe(req.first_token_at - req.received_at)
@@ -295,7 +321,8 @@ class Scheduler(threading.Thread):
 
     def _finish(self, req: ServeRequest) -> None:
         self._remove(req)
-        self.metrics.spec_verify_calls.inc(req.state.stats.verify_ct)
+        st = req.state
+        self.metrics.observe_finished(len(st.prompt_ids), len(st.output_ids), st.stats.verify_ct, req.stream)
         self.metrics.e2e.observe(time.perf_counter() - req.received_at)
         payload = self._payload(req, final=True)
         if req.origin is not None:

@@ -7,8 +7,7 @@ bounded concurrency and collects client figures (tok/s, TTFT, ITL, accept length
 server's own (`avg_spec_accept_length`, `last_gen_throughput`, `/metrics` deltas);
 `compare_client_server` says where they disagree; progress goes to an optional `log` callback,
 a line per finished round at most every few seconds. Also: the periodic decode log line parser
-(reference regex, sglang-eagle3.md §5) and the benchmark prompt sets (builtin, JSONL, chat
-rendering, held-out check against the training samples).
+(reference regex, sglang-eagle3.md §5). The prompt sets are in eagle3.serving.bench_prompts.
 
 Definitions (match `sglang.bench_serving`, transfer-and-serving-perf.md §2.3):
 - TTFT: send -> first streamed chunk carrying >= 1 output token.
@@ -284,6 +283,33 @@ def metric_total(metrics: dict[str, list[MetricSample]], name: str) -> float | N
     return None if not samples else sum(s.value for s in samples)
 
 
+# SGLang's forward timings: seconds by ForwardMode category (extend, decode, target_verify, eagle_draft,
+# eagle_draft_extend), exported with --enable-metrics and SGLANG_ENABLE_METRICS_DEVICE_TIMER=1.
+FORWARD_SECONDS = "sglang:forward_execution_seconds_total"
+
+
+def forward_seconds(metrics: dict[str, list[MetricSample]] | None) -> dict[str, float]:
+    """FORWARD_SECONDS by category, summed over ranks; {} when the server does not export it."""
+    out: dict[str, float] = {}
+    for sample in (metrics or {}).get(FORWARD_SECONDS, []):
+        category = sample.labels.get("category", "")
+        out[category] = out.get(category, 0.0) + sample.value
+    return out
+
+
+def run_delta(before: dict[str, list[MetricSample]], after: dict[str, list[MetricSample]]) -> dict[str, Any]:
+    """What the server counted over one timed run: forward seconds by category, verify calls, generated
+    tokens and finished requests (the increase of each between two /metrics reads)."""
+    def rise(name: str) -> float:
+        return (metric_total(after, name) or 0.0) - (metric_total(before, name) or 0.0)
+
+    start = forward_seconds(before)
+    return {"forward_s": {c: v - start.get(c, 0.0) for c, v in forward_seconds(after).items()},
+            "verify_calls": rise("sglang:spec_verify_calls_total"),
+            "generation_tokens": rise("sglang:generation_tokens_total"),
+            "requests": rise("sglang:e2e_request_latency_seconds_count")}
+
+
 # --------------------------------------------------------------------------- the client
 
 
@@ -506,6 +532,7 @@ class ServerFigures:
     last_gen_throughput: float | None
     metrics_delta: dict[str, float] | None
     server_info: dict = field(repr=False, default_factory=dict)
+    run_deltas: list[dict] = field(default_factory=list)  # run_delta of each timed run (with --enable-metrics)
 
     @property
     def metrics_accept_length(self) -> float | None:
@@ -683,7 +710,8 @@ def run_benchmark(
 
     Between warm-up and timed rounds, with the server idle: /flush_cache (so the server's
     avg_spec_accept_length covers only the timed requests; it also clears the prefix cache)
-    and a /metrics snapshot; after the timed rounds: /server_info and /metrics again. Any
+    and a /metrics snapshot, then one after each timed round (its forward seconds and counts:
+    `ServerFigures.run_deltas`); after the timed rounds: /server_info and /metrics again. Any
     failed request raises SGLangError naming the run and prompt. `log` gets a progress line after
     each round (`timed run 3/5: 41.2 tok/s (4 requests in 12.4 s, ~25 s left)`), at most one
     every `log_every_s` seconds.
@@ -696,7 +724,11 @@ def run_benchmark(
     warmup = [progress(_one_run(i, True, prompts, send, concurrency)) for i in range(warmup_runs)]
     flushed = _flush_when_idle(client) if flush_cache else False
     before = client.metrics()
-    runs = [progress(_one_run(i, False, prompts, send, concurrency)) for i in range(timed_runs)]
+    runs, snapshots = [], [before]
+    for i in range(timed_runs):
+        runs.append(progress(_one_run(i, False, prompts, send, concurrency)))
+        if before is not None:  # the server is idle between rounds: each round's own counts
+            snapshots.append(client.metrics())
     info = client.server_info()
     after = client.metrics()
     state = (info.get("internal_states") or [{}])[0]
@@ -704,7 +736,7 @@ def run_benchmark(
         flushed=flushed, avg_spec_accept_length=state.get("avg_spec_accept_length"),
         last_gen_throughput=state.get("last_gen_throughput"),
         metrics_delta=_counter_delta(before, after) if before is not None and after is not None else None,
-        server_info=info,
+        server_info=info, run_deltas=[run_delta(a, b) for a, b in zip(snapshots, snapshots[1:])],
     )
     return BenchResult(endpoint=endpoint, concurrency=concurrency, max_new_tokens=max_new_tokens,
                        temperature=temperature, num_prompts=len(prompts), warmup=warmup, runs=runs, server=server)
@@ -806,102 +838,3 @@ def summarize_decode_log(text: str) -> dict:
         "max_running_req": max((d["running_req"] for d in parsed), default=None),
         "max_queue_req": max((d["queue_req"] for d in parsed), default=None),
     }
-
-
-# --------------------------------------------------------------------------- prompt sets
-
-
-def builtin_prompts(n: int, seed: int = 1) -> list[list[Message]]:
-    """n single-turn user prompts from eagle3.data.prompts.builtin_conversations (answers dropped).
-
-    The pool is the held-out stdlib text the training data also draws from: check the result
-    with heldout_overlap against the draft's samples.jsonl.
-    """
-    from eagle3.data.prompts import builtin_conversations, prompt_part
-
-    return [prompt_part(c) for c in builtin_conversations(n, seed)]
-
-
-def _jsonl_record_prompt(record: Any, where: str) -> list[Message]:
-    """One JSONL record -> the messages to answer.
-
-    {"turns": [str, ...]} (MT-bench): the first turn only, since later turns need the model's
-    own earlier answers; {"messages": [...]}: up to the last user message; {"prompt": str}.
-    """
-    from eagle3.data.chat import validate_messages
-    from eagle3.data.prompts import prompt_part
-
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {str(record)[:80]!r}")
-    if "turns" in record:
-        turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-        return [{"role": "user", "content": turns[0]}]
-    if "messages" in record:
-        return prompt_part(validate_messages(record["messages"], where), where)
-    if isinstance(record.get("prompt"), str) and record["prompt"]:
-        return [{"role": "user", "content": record["prompt"]}]
-    raise ValueError(f"{where}: expected 'turns', 'messages' or a non-empty 'prompt', found keys {sorted(record)}")
-
-
-def load_prompts_jsonl(path: str | Path) -> list[list[Message]]:
-    """Benchmark prompts from a JSONL file (see _jsonl_record_prompt); bad lines -> ValueError 'file:line'."""
-    from eagle3.data.prompts import read_jsonl_records
-
-    return read_jsonl_records(Path(path), _jsonl_record_prompt)
-
-
-def render_prompts(conversations: Sequence[Sequence[Message]], tokenizer_dir: str | Path) -> list[list[int]]:
-    """Conversations -> prompt ids through the target's chat template with the generation prompt,
-    tokenized without extra special tokens (the template writes bos), as the server's chat endpoint does."""
-    from transformers import AutoTokenizer
-
-    from eagle3.data.chat import render_chat
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    if not tokenizer.chat_template:
-        raise ValueError(f"{tokenizer_dir}: the tokenizer has no chat template")
-    texts = [render_chat(tokenizer, list(c), add_generation_prompt=True) for c in conversations]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-
-
-def _user_turns(prompt: str | Sequence[Message], where: str) -> list[str]:
-    if isinstance(prompt, str):
-        return [prompt.strip()]
-    if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt):
-        raise ValueError(f"{where}: expected a str or chat messages (check before render_prompts), "
-                         f"got {str(prompt)[:80]}")
-    return [m["content"].strip() for m in prompt if m.get("role") == "user"]
-
-
-def heldout_overlap(prompts: Sequence[str | Sequence[Message]], samples_jsonl: str | Path,
-                    split: str | None = None,
-                    render_ids: Callable[[Sequence[str | Sequence[Message]]], list[list[int]]] | None = None,
-                    ) -> list[int]:
-    """Indices of prompts the draft has seen in samples_jsonl (optionally one split): a user turn
-    (whitespace-stripped) equal to a sample's user turn, or -- for served samples (data.source: served,
-    which carry the prompt's ids as served and maybe no messages) -- prompt ids equal to the sample's
-    prompt ids. `render_ids` turns the prompts into the ids the benchmark sends (render_prompts); it is
-    called only when the file holds served samples, and without it served samples are not compared."""
-    path = Path(samples_jsonl)
-    if not path.is_file():
-        raise FileNotFoundError(f"samples file not found: {path}")
-    seen: set[str] = set()
-    seen_ids: set[tuple[int, ...]] = set()
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-                if split is None or sample["split"] == split:
-                    seen.update(_user_turns(sample["messages"], f"{path}:{lineno}"))
-                    if "num_prompt_tokens" in sample:  # a served sample: input_ids = prompt ids + answer ids
-                        seen_ids.add(tuple(sample["input_ids"][: sample["num_prompt_tokens"]]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a sample with 'messages' ({type(e).__name__}: {e})") from e
-    found = {i for i, p in enumerate(prompts) if any(turn in seen for turn in _user_turns(p, f"prompts[{i}]"))}
-    if seen_ids and render_ids is not None:
-        found |= {i for i, ids in enumerate(render_ids(prompts)) if tuple(ids) in seen_ids}
-    return sorted(found)

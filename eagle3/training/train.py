@@ -63,6 +63,31 @@ def _load_vocab_mapping(data_dir: Path, out_dir: Path, vocab_size: int, draft_vo
     return vocab.d2t.long(), vocab.t2d.bool()
 
 
+def _init_vocab_mapping(source: Path, mapping: tuple[Tensor, Tensor], log) -> tuple[Tensor, Tensor]:
+    """The draft vocabulary of the weights training starts from (train.init_checkpoint), when it has one of the
+    same size: its lm_head rows mean its own d2t-mapped tokens, so a refined draft keeps them. The data's map
+    (`mapping`) otherwise; `load_initial_weights` names any other mismatch. The teacher's columns come from
+    the draft's t2d at training time, so the shards serve any map. A served-traffic nightly starts from the
+    champion while each night's data counts its own vocabulary: without this, a shift in traffic failed it."""
+    from safetensors import safe_open
+
+    weights = Path(source) / "model.safetensors"
+    if not weights.is_file():
+        return mapping
+    with safe_open(str(weights), framework="pt") as f:
+        if "d2t" not in f.keys():
+            return mapping
+        d2t = f.get_tensor("d2t").long()
+    data_d2t, data_t2d = mapping
+    if d2t.shape != data_d2t.shape or torch.equal(d2t, data_d2t):
+        return mapping
+    t2d = torch.zeros_like(data_t2d, dtype=torch.bool)
+    t2d[torch.arange(len(d2t)) + d2t] = True
+    log(f"draft vocabulary: {source}'s, which training starts from (this data counted another: "
+        f"{int((t2d & data_t2d.bool()).sum())} of {len(d2t)} draft tokens in common)")
+    return d2t, t2d
+
+
 def _check_dataset_layers(manifest: dict, aux_layer_ids: list[int]) -> None:
     """The features on disk must come from the layers the draft will be served with: the ids asked, and
     the capture indices the engine actually hooked (recorded in the manifest) must be the ones SGLang
@@ -128,7 +153,10 @@ def train_draft(
     draft = Eagle3DraftModel(config)
     if config.shares_target_embedding:
         draft.load_target_embedding(head["embed_tokens"])
-    draft.set_vocab_mapping(*_load_vocab_mapping(data_dir, out_dir, config.vocab_size, draft_vocab_size, log))
+    mapping = _load_vocab_mapping(data_dir, out_dir, config.vocab_size, draft_vocab_size, log)
+    if cfg.init_checkpoint:
+        mapping = _init_vocab_mapping(Path(cfg.init_checkpoint), mapping, log)
+    draft.set_vocab_mapping(*mapping)
     if cfg.init_checkpoint:
         load_initial_weights(draft, Path(cfg.init_checkpoint))
         log(f"starting from the weights of {cfg.init_checkpoint}")

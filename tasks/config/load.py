@@ -273,6 +273,11 @@ def _interpolate(value: Any, loc: tuple, shown: str, lines: dict[tuple, int]) ->
     if "${" in _ENV_REF.sub("", value):  # kept literally, it would reach a server or a shell as `${...`
         raise ConfigError([f"{shown}:{_line_of(loc, lines)}: {_field_name(loc)}: malformed reference in "
                            f"{_short(repr(value))}: write ${{NAME}} or ${{NAME:-default}} (NAME: letters, digits, _)"])
+    if any("${" in (m.group(2) or "") for m in _ENV_REF.finditer(value)):
+        # `${A:-${B}}`: the default would end at B's `}`, and with A unset the text `${B}` would be kept
+        raise ConfigError([f"{shown}:{_line_of(loc, lines)}: {_field_name(loc)}: nested reference in "
+                           f"{_short(repr(value))}: a default is text, not another ${{...}}; write "
+                           "${NAME:-text}, or set NAME"])
     return _ENV_REF.sub(expand, value)
 
 
@@ -298,10 +303,14 @@ def _format_error(error: dict, shown: str, lines: dict[tuple, int], line: int | 
     """`file:line: field: reason` for one pydantic error; `line` overrides the lookup, `tag` (a sweep's
     grid entry) goes before the field."""
     loc = tuple(error["loc"])
-    field = _field_name(loc)
     reason = _reason(error, loc)
+    line_loc = loc
+    if len(loc) >= 2 and loc[-1] == "[key]":  # a mapping's key (deploy.env): the mapping, the key's line and repr
+        line_loc, loc = loc[:-1], loc[:-2]
+        reason = f"key {_shown(line_loc[-1])}: {reason.removesuffix(f' (got {_shown(line_loc[-1])})')}"
+    field = _field_name(loc)
     if line is None:
-        line = _line_of(loc, lines)
+        line = _line_of(line_loc, lines)
         if error["type"] == "value_error":
             line = _line_of_named_field(reason, lines) or line
     where = f"{shown}:{line}: " + (f"{tag}: " if tag else "")

@@ -6,10 +6,11 @@ Secret fields are `SecretStr` and print as `**********` everywhere (dumps, logs,
 
 from __future__ import annotations
 
+import getpass
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from eagle3.config import (
     NAME_PATTERN,
@@ -20,8 +21,11 @@ from eagle3.config import (
     TrainConfig,
 )
 from eagle3.data.disk import budget_problem
+from tasks.config.ssh_config import SshConfigProblem, fill_from_ssh_config
 
 _NO_CONTROL = r"^[^\x00-\x1f\x7f]*$"  # a newline in a path would end the remote shell command there
+# An environment variable's name as a shell and `env NAME=value` take it: `A=B` would set A to "B=value".
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=256)]
 
 
 class HostConfig(StrictModel):
@@ -52,6 +56,31 @@ class HostConfig(StrictModel):
         description="Reach this host through another: a hosts[].name, or user@host[:port] (same key and "
         "known_hosts as this host).",
     )
+    ssh_config: bool | str = Field(
+        False, description="Fill the fields left unset from OpenSSH's client config, looking `address` up as `ssh "
+        "ADDRESS` does (HostName, User, Port, IdentityFile, UserKnownHostsFile, ProxyJump): true = ~/.ssh/config, or "
+        "a path. Fields set here win.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_ssh_config(cls, data):
+        if not isinstance(data, dict) or data.get("ssh_config") in (None, False):
+            return data
+        try:
+            filled = fill_from_ssh_config(data)
+        except ValueError as err:  # said by the field's own check below, at ssh_config's line
+            return {**data, "ssh_config": SshConfigProblem(str(err).removeprefix("ssh_config: "))}
+        if filled.get("user") is None:
+            filled["user"] = getpass.getuser()  # ssh's default: the local user
+        return filled
+
+    @field_validator("ssh_config", mode="before")
+    @classmethod
+    def _ssh_config_readable(cls, value):
+        if isinstance(value, SshConfigProblem):
+            raise ValueError(str(value))
+        return value
 
     @field_validator("jump_host")
     @classmethod
@@ -113,9 +142,10 @@ class DeployConfig(StrictModel):
         True, description="--enable-metrics: /metrics counters let the benchmark cross-check its accept length and "
         "token counts exactly against the server's."
     )
-    env: dict[str, SecretStr] = Field(
+    env: dict[EnvName, SecretStr] = Field(
         default_factory=dict, description="Environment for the server process (e.g. HF_TOKEN: ${HF_TOKEN}). Every "
-        "value is a secret: masked in every record (dumps, manifest, MLflow), passed in clear only to the server."
+        "value is a secret: masked in every record (dumps, manifest, MLflow), passed in clear only to the server. "
+        "Names are letters, digits and _, not starting with a digit (a `=` would split the name on the host)."
     )
     startup_timeout_s: float = Field(900.0, gt=0, le=7200, description="Seconds to wait for /health.")
     baseline: bool = Field(
@@ -133,6 +163,40 @@ class DeployConfig(StrictModel):
     def server_env(self) -> dict[str, str]:
         """`env` with its real values: what the server process gets (and nothing else should)."""
         return {k: v.get_secret_value() if isinstance(v, SecretStr) else str(v) for k, v in self.env.items()}
+
+
+class SlaConfig(StrictModel):
+    """Latency limits a serving plan must keep (any subset; an unset one does not limit)."""
+
+    itl_ms_p50: float | None = Field(None, gt=0, le=1e6, description="Median inter-token latency, ms.")
+    itl_ms_p99: float | None = Field(None, gt=0, le=1e6, description="99th-percentile inter-token latency, ms.")
+    ttft_ms_p99: float | None = Field(None, gt=0, le=1e7, description="99th-percentile time to first token, ms.")
+
+
+class PlanConfig(StrictModel):
+    """The plan_serving stage (opt-in: set this section): which setting to serve at each bench.concurrency."""
+
+    num_steps: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6], min_length=1,
+                                 description="Draft depths of the grid the plan predicts.")
+    eagle_topk: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1,
+                                  description="Branchings of the grid (1 = chains).")
+    num_draft_tokens: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1,
+                                        description="Draft tokens of the grid's trees (chains verify num_steps + 1).")
+    check_top: int = Field(1, ge=0, le=10, description="Predicted best settings measured per concurrency.")
+    held_out: int = Field(2, ge=0, le=50, description="Further grid settings measured to check the prediction.")
+    load: int | None = Field(None, ge=1, le=4096, description="The concurrency whose pick becomes the static launch "
+                             "flags; unset: the highest of bench.concurrency.")
+    adaptive_slack: float = Field(0.05, ge=0, lt=1, description="A depth joins a tier's candidate_steps in the "
+                                  "adaptive config when within this share of the tier's best tok/s per GPU.")
+
+    @model_validator(mode="after")
+    def _grid_bounds(self) -> PlanConfig:
+        for name in ("num_steps", "eagle_topk"):
+            if any(v < 1 or v > 64 for v in getattr(self, name)):
+                raise ValueError(f"bench.plan.{name}: each value must be between 1 and 64")
+        if any(v < 2 or v > 1024 for v in self.num_draft_tokens):
+            raise ValueError("bench.plan.num_draft_tokens: each value must be between 2 and 1024")
+        return self
 
 
 class BenchConfig(StrictModel):
@@ -163,11 +227,23 @@ class BenchConfig(StrictModel):
     offline_reference: bool = Field(
         True, description="Also run the reference decoder in-process on the same prompts (targets readable here)."
     )
+    sla: SlaConfig = Field(default_factory=SlaConfig, description="Latency limits the serving plan keeps.")
+    plan_tolerance: float = Field(
+        0.10, gt=0, le=10, description="The plan keeps a predicted pick whose measured total tok/s is within this "
+        "relative error of the prediction; beyond it, the measured best within bench.sla instead (said so)."
+    )
+    plan: PlanConfig | None = Field(
+        None, description="Opt in to the plan_serving stage after the benchmark: predict a grid of settings at "
+        "each bench.concurrency from the measured step costs and acceptance, choose per concurrency within "
+        "bench.sla, check the choices by measuring them."
+    )
 
     @model_validator(mode="after")
     def _positive_concurrency(self) -> BenchConfig:
         if any(c < 1 or c > 4096 for c in self.concurrency):
             raise ValueError("bench.concurrency: each value must be between 1 and 4096")
+        if self.plan is not None and self.plan.load is not None and self.plan.load not in self.concurrency:
+            raise ValueError(f"bench.plan.load: {self.plan.load} is not one of bench.concurrency {self.concurrency}")
         return self
 
 
@@ -196,9 +272,10 @@ class NightlyConfig(StrictModel):
     """The nightly retrain (flows/nightly.py): where training starts and the gate a new draft must pass
     against the current champion (same host, prompts and speculative setting) to replace it."""
 
-    start_from: Literal["scratch", "champion"] = Field(
-        "scratch", description="`scratch`: a fresh init; `champion`: train.init_checkpoint = the downloaded "
-        "`@champion` version (scratch while there is none). The champion must share the draft vocabulary."
+    start_from: Literal["scratch", "champion"] | None = Field(
+        None, description="`scratch`: a fresh init; `champion`: train.init_checkpoint = the downloaded "
+        "`@champion` version (scratch while there is none). Training keeps the champion's draft vocabulary (not the night's data's). "
+        "Unset: `champion` with data.source: served (a night's new traffic refines the champion), else `scratch`."
     )
     min_tok_s_gain: float = Field(
         0.02, ge=-1, le=10, description="Relative tok/s gain over the champion needed to promote (0.02 = 2% faster), "
@@ -224,6 +301,56 @@ class NightlyConfig(StrictModel):
     )
 
 
+class WatchBandConfig(StrictModel):
+    """How far below the champion's recorded accept length a window may fall before it counts as low."""
+
+    sigmas: float = Field(3.0, ge=0, le=20, description="Standard deviations of the champion's per-round accept "
+                          "lengths (its gate evidence) below their mean.")
+    tolerance: float = Field(0.15, ge=0, lt=1, description="At least this fraction of the mean below it (production "
+                             "prompts differ from the benchmark's): lower = mean - max(sigmas x sd, tolerance x mean).")
+
+
+class WatchConfig(StrictModel):
+    """The production watch (`eagleops watch`, flows/watch.py): what it reads, how often, and when it alarms."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True, serialize_by_alias=True)
+
+    endpoints: list[str] = Field(
+        default_factory=list, description="Production servers (http://host:port); empty: the server a run deploys "
+        "(127.0.0.1:deploy.port, deploy.host local only)."
+    )
+    prometheus: str | None = Field(
+        None, pattern=r"^https?://\S+$", description="A Prometheus server that scrapes the endpoints (matched by its "
+        "instance label host:port); None: the watch scrapes /metrics itself."
+    )
+    window_s: float = Field(300.0, ge=1, le=86400, description="Window length in seconds; the schedule's interval.")
+    for_windows: int = Field(
+        3, alias="for", ge=1, le=1000, description="Consecutive low windows before drift fires (Prometheus `for:`)."
+    )
+    min_requests: int = Field(
+        20, ge=1, le=10_000_000, description="Requests a window needs to be judged; fewer: no verdict, the `for` "
+        "count starts over (low traffic never alarms)."
+    )
+    band: WatchBandConfig = Field(default_factory=WatchBandConfig, description="The accept-length band.")
+    cooldown_s: float = Field(
+        21600.0, ge=0, le=30 * 86400, description="An alert that lasts is sent again (and the nightly started again) "
+        "at most once per this many seconds; a new change or a new episode is sent at once."
+    )
+    digests: bool = Field(True, description="Hash the served draft (and the target's config and weight index) on "
+                          "the serving host each window.")
+    host: str | None = Field(None, pattern=NAME_PATTERN, description="The serving host the digests are read on (a "
+                             "hosts[].name or local); None: deploy.host.")
+    timeout_s: float = Field(10.0, gt=0, le=300, description="Seconds per HTTP request to a server or Prometheus.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http_urls(cls, endpoints: list[str]) -> list[str]:
+        bad = [e for e in endpoints if not re.match(r"^https?://[^\s/]+/?$", e)]
+        if bad:
+            raise ValueError(f"each endpoint must be http(s)://host:port, found {bad}")
+        return [e.rstrip("/") for e in endpoints]
+
+
 class ExperimentConfig(StrictModel):
     """One experiment: every section of a `configs/*.yaml` file."""
 
@@ -239,6 +366,7 @@ class ExperimentConfig(StrictModel):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow.")
     hosts: list[HostConfig] = Field(default_factory=list, description="SSH inventory.")
     nightly: NightlyConfig = Field(default_factory=NightlyConfig, description="Nightly retrain and champion gate.")
+    watch: WatchConfig = Field(default_factory=WatchConfig, description="The production watch.")
 
     @model_validator(mode="after")
     def _cross_section_rules(self) -> ExperimentConfig:
@@ -261,6 +389,9 @@ class ExperimentConfig(StrictModel):
                 f"data.draft_vocab_size ({self.data.draft_vocab_size}) exceeds the target vocabulary "
                 f"target.tiny.vocab_size ({self.target.tiny.vocab_size})"
             )
+        watched = self.watch.host or self.deploy.host
+        if watched != "local" and watched not in names:
+            raise ValueError(f"watch.host '{watched}' is neither 'local' nor one of hosts[].name {names}")
         if self.bench.min_speedup is not None and not self.deploy.baseline:
             raise ValueError("bench.min_speedup needs a baseline to compare with, and deploy.baseline is false; set "
                              "deploy.baseline: true or drop bench.min_speedup")
@@ -275,10 +406,29 @@ class ExperimentConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _nightly_start(self) -> ExperimentConfig:
+        """nightly.start_from unset: from the champion on served traffic (a night trains on its new samples and a
+        replay, not on everything), from scratch on a prompts file."""
+        if self.nightly.start_from is None:
+            self.nightly.start_from = "champion" if self.data.source == "served" else "scratch"
+        return self
+
+    @model_validator(mode="after")
     def _where_data_and_training_run(self) -> ExperimentConfig:
         """Refuse every data/capture/training placement the stages cannot run (each message names its field)."""
         for problem in runnable_placement_problems(self):
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _export_holds_the_draft(self) -> ExperimentConfig:
+        """The speculators format (vLLM's Eagle3Speculator) describes its layer as a Llama `transformer_layer_config`
+        (GQA q/k/v projections): it has no field for multi-latent attention."""
+        if self.train.draft.architecture == "deepseek_mla" and "speculators" in self.export.formats:
+            raise ValueError("export.formats: speculators cannot hold the deepseek_mla draft (train.draft.architecture): "
+                             "its transformer_layer_config is a Llama layer with GQA q/k/v projections, and vLLM's "
+                             "speculators loader has no multi-latent attention; export sglang only "
+                             "(Eagle3DeepseekV2ForCausalLM)")
         return self
 
     @property

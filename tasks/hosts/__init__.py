@@ -5,5 +5,6 @@
 server's launch flags and what SGLang will make of them), `servers` (launch, health, stop, with
 `server_registry` recording every live one in the run folder), `teardown` (stopping what a run left),
 `served` (the served model's files as the serving host has them), `signals` (holding signals while a
-teardown runs). Imports config, the run log and the run folder; never tracking, the runner or stages.
+teardown runs), `gpus` (how many GPUs a host has, for GPU-hours). Imports config, the run log and the
+run folder; never tracking, the runner or stages.
 """

@@ -131,8 +131,8 @@ def effective_settings(spec: SpeculativeConfig, res: SpecResolution) -> dict[str
 def validate_launch(cfg: ExperimentConfig) -> list[Finding]:
     """The launch-flag check behind `eagleops validate`: the model folders readable here, then the config's
     speculative setting and every bench.sweep setting against SGLang's rules."""
-    problems = model_config_findings(cfg)
-    if problems:
+    problems = model_config_findings(cfg) + draft_config_findings(cfg)
+    if problems:  # SGLang's rules read these files: predicting with a broken one says nothing
         return problems
     model_path = cfg.deploy.model_path or cfg.target.model_path or "TARGET"
     architecture = target_architecture(cfg, cfg.deploy.model_path)
@@ -191,3 +191,49 @@ def model_config_findings(cfg: ExperimentConfig) -> list[Finding]:
             findings.append(Finding("error", "model_config", f"target.aux_layer_ids {ids}: id {max(ids)} is past "
                                     f"the {layers} decoder layers of {folder}", "target.aux_layer_ids"))
     return findings
+
+
+DRAFT_FLAGS = ("--speculative-draft-model-path", "--speculative-draft-model")
+
+
+def extra_draft_path(extra_args: list[str]) -> tuple[bool, str | None]:
+    """(named, path) of a draft that deploy.extra_args makes the server load (`--flag D` or `--flag=D`, the last
+    one wins as in SGLang's argparse); path None when the last such flag has no value."""
+    named, path = False, None
+    for i, arg in enumerate(extra_args):
+        flag, eq, value = arg.partition("=")
+        if flag in DRAFT_FLAGS:
+            nxt = extra_args[i + 1] if i + 1 < len(extra_args) else None
+            named, path = True, value if eq else (nxt if nxt is not None and not nxt.startswith("--") else None)
+    return named, path
+
+
+def draft_config_findings(cfg: ExperimentConfig) -> list[Finding]:
+    """The draft deploy.extra_args names instead of this run's export, when it is served from this machine
+    (deploy.host local): a folder whose config.json is a JSON object with an EAGLE-3 draft architecture. A
+    remote host's folder is read there, by the deploy stage's preflight."""
+    named, path = extra_draft_path(cfg.deploy.extra_args)
+    if not named or cfg.deploy.host != "local":
+        return []
+    field = "deploy.extra_args"
+    if path is None:
+        return [Finding("error", "draft_config", f"{DRAFT_FLAGS[0]} has no value: name the draft's folder", field)]
+    try:
+        config = read_model_config(path)
+    except ValueError as err:
+        return [Finding("error", "draft_config", str(err), field)]
+    if config is None:
+        where = "has no config.json" if Path(path).expanduser().is_dir() else "is not a folder here"
+        return [Finding("error", "draft_config", f"{path} {where}: the draft SGLang would load (deploy.host "
+                        "local) is a folder with the draft's config.json", field)]
+    archs = config.get("architectures")
+    if not (isinstance(archs, list) and any(isinstance(a, str) and "eagle3" in a.lower() for a in archs)):
+        return [Finding("error", "draft_config", f"{path}/config.json: architectures {_shown(archs)} is not an "
+                        "EAGLE-3 draft (e.g. LlamaForCausalLMEagle3): the flag names the draft, not the target",
+                        field)]
+    return []
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:120] + "..."

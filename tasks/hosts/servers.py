@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from tasks.config.schema import ExperimentConfig, HostConfig, SpeculativeConfig
+from tasks.hosts.gpus import gpus_on, held
 from tasks.hosts.jobs import poll_delay
 from tasks.hosts.launch import SERVER_MODULES, launch_args
 from tasks.hosts.remote import CommandFailed, Executor, connect
@@ -36,6 +37,8 @@ LOG_TAIL_LINES = 50
 
 class PreflightFailed(RuntimeError):
     """A check before launch failed; the message lists each failed check with its one-line reason."""
+
+    one_line_in_logs = True  # expected: its message says it all (tasks.log)
 
 
 class ServerFailed(RuntimeError):
@@ -62,6 +65,9 @@ class ServerHandle:
     settings_source: str = ""  # "/server_info", or "prediction" when the server reports no speculative settings
     allow_adjustments: bool = False  # the config opted into SGLang rewriting the asked values
     identity: str = ""  # the process at launch (host boot id:start time); "" (older records): unchecked
+    gpus: int = 0  # the GPUs it holds (`held_gpus`); with launched_at and stopped_at, its GPU-hours
+    launched_at: float = 0.0  # epoch seconds when it was started
+    stopped_at: float | None = None  # epoch seconds when it was stopped (None while it runs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,12 +131,13 @@ def launch(cfg: ExperimentConfig, placement: Placement, run_dir: Path, *, label:
     stamp = f"{label.replace(' ', '-').replace('/', '_')}-{int(time.time())}"
     logs = f"{placement.workdir}/logs"
     executor.makedirs(logs)
+    gpus, launched_at = held_gpus(cfg, executor), time.time()
     pid = executor.start_detached(argv, env=cfg.deploy.server_env(), cwd=placement.workdir,
                                   log_file=f"{logs}/{stamp}.log", pid_file=f"{logs}/{stamp}.pid")
     handle = ServerHandle(label, executor.name, pid, port, f"{logs}/{stamp}.log", f"{logs}/{stamp}.pid", argv,
                           spec is not None, asked=_asked(spec), effective=dict(predicted or {}),
                           predicted=dict(predicted or {}), allow_adjustments=bool(spec and spec.allow_adjustments),
-                          identity=executor.process_identity(pid) or "")
+                          identity=executor.process_identity(pid) or "", gpus=gpus, launched_at=launched_at)
     _record(run_dir, handle, "starting")
     try:
         local_port = _open_tunnel(run_dir, handle, executor)
@@ -143,6 +150,14 @@ def launch(cfg: ExperimentConfig, placement: Placement, run_dir: Path, *, label:
     _record(run_dir, handle, "live")
     logger().info(f"{handle.label}: serving on {executor.name}:{port} (pid {pid}), reached at {handle.local_url}")
     return handle
+
+
+def held_gpus(cfg: ExperimentConfig, executor: Executor) -> int:
+    """The GPUs a server of `cfg.deploy` holds: deploy.tp on a host that has them; none for the reference server,
+    which computes on the CPU wherever it runs."""
+    if cfg.deploy.server == "reference":
+        return 0
+    return held(cfg.deploy.tp, gpus_on(executor))
 
 
 def _asked(spec: SpeculativeConfig | None) -> dict:
@@ -257,6 +272,7 @@ def stop(run_dir: Path, handle: ServerHandle, executor: Executor | None = None) 
         return False
     try:
         _kill_server(executor, handle)
+        handle.stopped_at = handle.stopped_at or time.time()
         _record(run_dir, handle, "stopped")
     except Exception as err:  # whatever it is, the caller's own error and the other servers come first
         logger().warning(f"{handle.label}: could not stop pid {handle.pid} on {executor.name}: {one_line(err)}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import socket
 from pathlib import Path
 
 from tasks.config.schema import ExperimentConfig
@@ -29,6 +31,7 @@ from tasks.hosts.servers import (
 )
 from tasks.hosts.signals import signals_held
 from tasks.log import logger
+from tasks.run_lock import describe_holder, holder_of
 
 TEARDOWN_CONNECT_RETRIES = 1  # a host that does not answer costs the teardown one retry, not connect_retries
 
@@ -121,8 +124,21 @@ def teardown_for_flow_run(parameters: dict, flow_run_id: str) -> list[str]:
     for folder in folders:
         manifest = folder / "manifest.json"
         if manifest.is_file() and flow_run_id in json.loads(manifest.read_text()).get("prefect_flow_run_ids", []):
+            if held_by_another_process(folder):
+                return []
             return teardown_run(folder, cfg)
     return []
+
+
+def held_by_another_process(run_dir: Path) -> bool:
+    """True (and one line saying so) when another live process holds the run folder: a Retry refused while the
+    flow run's first attempt still runs has nothing of its own to stop, and that attempt's servers are its own."""
+    holder = holder_of(run_dir)
+    if holder is None or (holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname()):
+        return False
+    named = describe_holder(holder) if holder else "another process"
+    logger().warning(f"teardown: {run_dir} is held by {named}; its servers are left to that run's own teardown")
+    return True
 
 
 def _executor_for(host: str, cfg: ExperimentConfig | None) -> Executor | None:

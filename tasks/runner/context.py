@@ -30,6 +30,11 @@ class StageContext:
     upstream: dict[str, dict[str, Any]] = field(default_factory=dict)
     attempt: int = 1
     upstream_digests: dict[str, str] = field(default_factory=dict)  # each upstream's output digest
+    parent_run_id: str | None = None  # the experiment's MLflow parent run (None outside a pipeline)
+
+    @property
+    def parent_mlflow(self) -> RunLogger | None:
+        return RunLogger(self.tracking_uri, self.parent_run_id) if self.parent_run_id else None
 
     @property
     def mlflow(self) -> RunLogger:

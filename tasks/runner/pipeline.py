@@ -21,7 +21,9 @@ from typing import Any
 from tasks.config.masked import config_hash, masked_yaml, secret_values
 from tasks.config.schema import ExperimentConfig
 from tasks.config.secrets import install_log_redaction, register_secrets
+from tasks.hosts.teardown import teardown_run, unstopped_servers
 from tasks.log import logger
+from tasks.run_lock import RunLock, acquire_run_folder
 from tasks.rundir import (
     MANIFEST,
     RunDirectory,
@@ -29,6 +31,8 @@ from tasks.rundir import (
     now_iso,
 )
 from tasks.runner.attempt import StageAttempt
+from tasks.runner.gpu_hours import ThisRunsGpuHours
+from tasks.runner.reused import show_reused_stage
 from tasks.runner.specs import (
     ALWAYS_SELECTED,
     STAGE_SPECS,
@@ -45,7 +49,7 @@ from tasks.tracking.run_logger import (
     reopen_run,
     start_parent_run,
 )
-from tasks.tracking.runs import eagleops_version, git_commit, run_tags
+from tasks.tracking.runs import FULL_RETRAIN_TAG, eagleops_version, git_commit, run_tags
 from tasks.tracking.store import has_run, relocate_local_store
 from tasks.tracking.sync import sync_before_resume
 from tasks.tracking.views import run_links, tracking_uri_for
@@ -88,21 +92,35 @@ class Pipeline:
         self.version = eagleops_version()
         self.digests: dict[str, str] = {}
         self.results: dict[str, dict[str, Any]] = {}
+        self.halted: str | None = None  # why no later stage runs: a stage's result said `halt` (no new traffic)
+        self.gpu = ThisRunsGpuHours()
         self.current_stage: str | None = None
-        self.run = self._open_run_dir(config_path, run_dir)
-        self._check_selection()
-        self.parent = self._open_parent_run(config_path, flow_run_id)
-        self._close_stale_attempts()
+        self.lock: RunLock | None = None
+        try:
+            self.run = self._open_run_dir(config_path, run_dir, flow_run_id)
+            self._stop_servers_left_running()
+            self._check_selection()
+            self.parent = self._open_parent_run(config_path, flow_run_id)
+            self._close_stale_attempts()
+        except BaseException:
+            self.release_folder()
+            raise
         Pipeline.active = self
 
     # ------------------------------------------------------------------ setup
 
-    def _open_run_dir(self, config_path: str, run_dir: str | None) -> RunDirectory:
+    def _open_run_dir(self, config_path: str, run_dir: str | None, flow_run_id: str) -> RunDirectory:
+        """The run folder, created or resumed, held by this run (`tasks.run_lock`) from before its first write
+        (a new folder's name is its own until its manifest is written) until `release_folder`."""
         header = {"config_path": str(Path(config_path).resolve()), "config_hash": self.config_hash,
                   "eagleops_version": self.version}
         if run_dir is None:
             run = RunDirectory.create(self.cfg.runs_root, self.cfg.experiment, header)
+            self.lock = acquire_run_folder(run.path, flow_run_id)
         else:
+            self.lock = acquire_run_folder(run_dir, flow_run_id)  # RunFolderHeld: another run holds it
+            if (line := self.lock.takeover_line()) is not None:
+                logger().warning(line)
             self._settle_in(RunDirectory.open(run_dir))
             sync_before_resume(run_dir, tracking_uri_for(self.cfg))  # what an earlier offline run journaled
             run = RunDirectory.open(run_dir)
@@ -110,6 +128,26 @@ class Pipeline:
         (run.path / "config.yaml").write_text(masked_yaml(self.cfg))
         logger().info(f"run directory: {run.path}")
         return run
+
+    def _stop_servers_left_running(self) -> None:
+        """Servers an earlier run left recorded as running in this folder (its process or its worker was killed
+        before its teardown, or the teardown could not reach the host): stopped before any stage starts one.
+        Held by this run now, the folder has no other live run whose servers these could be."""
+        if not unstopped_servers(self.run.path):
+            return
+        for server in teardown_run(self.run.path, self.cfg):
+            logger().warning(f"stopped {server}, left running by an earlier run on {self.run.path}")
+
+    def release_folder(self) -> None:
+        """Give the run folder up for the next run: after the flow's teardown."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release_folder()
 
     def _settle_in(self, run: RunDirectory) -> None:
         """A resumed folder uses the runs root it lives in now (it may have moved since it was written): that
@@ -213,6 +251,8 @@ class Pipeline:
     def run_stage(self, task: Any) -> dict[str, Any] | None:
         """Run one stage task unless it is deselected or reusable; return its summary."""
         name, spec = task.name, STAGE_SPECS[task.name]
+        if self.halted and name not in ALWAYS_SELECTED:
+            return self._skip_halted(name)
         inputs = stage_inputs(self.cfg, name, self.digests, self.version)
         fingerprint = digest_json(inputs)
         reusable = None if spec.always_run else self.run.completed_attempt(name, fingerprint)
@@ -231,6 +271,11 @@ class Pipeline:
             raise SelectionError(self._missing_message(name, missing[0]))
         attempt = self._attempt_for(name, fingerprint, inputs, spec)
         return self._execute(task, name, attempt)
+
+    def _skip_halted(self, name: str) -> None:
+        """A stage after one whose result said `halt` (a served night with no new traffic): not run, and why."""
+        logger().info(f"{name}: skipped ({self.halted})")
+        self.run.mark_stage(name, status="skipped", reason=self.halted)
 
     def run_pending(self, name: str, reason: str) -> None:
         """A stage that is not built yet: logged and recorded as such, never faked."""
@@ -251,17 +296,35 @@ class Pipeline:
     def _execute(self, task: Any, name: str, entry: dict[str, Any]) -> dict[str, Any]:
         attempt = StageAttempt(name, entry, self.run, self.parent, self.cfg, self.config_path)
         self.current_stage = name  # stays set when the attempt fails: the CLI's interrupt line names it
-        digest, summary = attempt.run_task(task, dict(self.results), dict(self.digests), self._flow_run_id())
+        try:
+            digest, summary = attempt.run_task(task, dict(self.results), dict(self.digests), self._flow_run_id())
+        finally:  # a failed attempt held its GPUs too
+            self._count_gpu_hours(name, entry.get("gpu_hours") or 0.0, reused=False)
         self.current_stage = None
         return self._remember(name, digest, summary)
 
     def _reuse(self, name: str, attempt: dict[str, Any]) -> dict[str, Any]:
         self.run.update_attempt(name, attempt)
+        link = _run_link(self.parent.tracking_uri, attempt["mlflow_run_id"]) if attempt.get("mlflow_run_id") else ""
+        show_reused_stage(name, attempt, link)
+        self._count_gpu_hours(name, attempt.get("gpu_hours") or 0.0, reused=True)
         return self._remember(name, attempt.get("output_digest") or "", attempt.get("summary", {}))
+
+    def _count_gpu_hours(self, name: str, hours: float, reused: bool) -> None:
+        """This run's GPU-hours so far in the manifest (the report shows them); a reused stage held nothing in
+        this run: 0 on the parent, its figure from when it ran as `<stage>.gpu_hours_reused`."""
+        self.gpu.count(name, hours, reused)
+        try:
+            self.run.update(gpu_hours=self.gpu.block(self._flow_run_id()))
+        except OSError as err:  # a full disk: the stage's own error (if any) is the one to report
+            logging.getLogger("eagleops").warning(f"{name}: GPU-hours not written to {self.run.path / MANIFEST} ({err})")
+        if reused:
+            self.parent.log_metrics({f"{name}.gpu_hours": 0.0, f"{name}.gpu_hours_reused": hours})
 
     def _remember(self, name: str, digest: str, summary: dict[str, Any]) -> dict[str, Any]:
         self.digests[name] = digest
         self.results[name] = summary
+        self.halted = self.halted or summary.get("halt")
         return summary
 
     def _flow_run_id(self) -> str:
@@ -273,7 +336,11 @@ class Pipeline:
         stages = {name: entry.get("status") for name, entry in self.run.manifest["stages"].items()}
         try:
             with store_errors_reported_by_caller():
+                self.parent.log_metrics(self.gpu.parent_metrics())
                 self.parent.set_tags({"eagleops.stages": json.dumps(stages)})
+                if self.gpu.is_full_retrain(self.cfg, stages):  # a later resume that reuses them leaves both as they are
+                    self.parent.log_metrics({"gpu_hours_retrain": self.gpu.retrain})
+                    self.parent.set_tags({FULL_RETRAIN_TAG: "true"})
                 self.parent.finish(status)
         except Exception as tracking_err:
             logging.getLogger("eagleops").warning(f"could not record the run's {status} state in MLflow: "
@@ -284,5 +351,6 @@ class Pipeline:
             logging.getLogger("eagleops").warning(f"could not record the run's {status} state in "
                                                   f"{self.run.path / MANIFEST} ({err}); it keeps its previous content")
         return {"run_dir": str(self.run.path), "mlflow_run_id": self.parent.run_id, "stages": stages, "status": status,
-                "results": self.results}
+                "halted": self.halted,
+                "results": self.results, "gpu_hours": self.gpu.block(self._flow_run_id())}
 

@@ -84,9 +84,10 @@ _DATA_OPERATIONAL = tuple(f"data.regenerate.{k}" for k in (
 
 
 # How the SGLang capture runner batches and sizes its memory, where the HF engine places the target, and how
-# much disk a stream may take: not which hidden states are written.
+# much disk a stream or the served capture cache may take and where that cache lies: not which hidden states are
+# written (what the cache holds is the data host's state, never an input).
 _CAPTURE_OPERATIONAL = ("data.capture.max_batch_tokens", "data.capture.mem_fraction_static", "target.placement",
-                        "data.stream")
+                        "data.stream", "data.served.cache", "data.served.cache_budget_gb")
 
 
 # Where the runs root and its tiny-target cache are (a moved run folder re-runs nothing), how many CPU
@@ -114,7 +115,9 @@ STAGE_SPECS: dict[str, StageSpec] = {
     ),
     "train_draft": StageSpec(
         config=("train", "data.draft_vocab_size", "data.hidden_states", "target.dtype"),
-        operational=tuple(f"train.{k}" for k in RESUMABLE_FIELDS) + _WHERE + _FINDS_TARGET, needs=("generate_data",),
+        # data.prompts: the file name in the MLflow dataset input's name (its content is the data stage's digest)
+        operational=tuple(f"train.{k}" for k in RESUMABLE_FIELDS) + _WHERE + _FINDS_TARGET + ("data.prompts",),
+        needs=("generate_data",),
         # the stream's capture side captures what the data stage's fingerprint (an input, upstream) decides
         when=(Reads(_streamed, operational=_STREAM_CAPTURE),
               Reads(lambda cfg: cfg.data.hidden_states == "online", operational=("target.placement",
@@ -133,6 +136,10 @@ STAGE_SPECS: dict[str, StageSpec] = {
                                        "runs_root"),
                                needs=("deploy_server",), uses=("generate_data", "train_draft", "export_checkpoint"),
                                always_run=True),
+    # opt-in (bench.plan): the flow runs it only then; it serves grid settings on the deploy host to check its picks
+    "plan_serving": StageSpec(config=("bench", "deploy", "hosts", "target", "data.max_length", "experiment",
+                                      "runs_root"),
+                              needs=("deploy_server", "run_benchmark"), always_run=True),
     "report": StageSpec(config=("experiment",), operational=("description",),  # the MLflow run's description
                         uses=("generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark"),
                         always_run=True),

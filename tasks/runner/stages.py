@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 STAGES = ["check_environment", "generate_data", "train_draft", "export_checkpoint", "deploy_server", "run_benchmark",
-          "report"]
+          "plan_serving", "report"]
 
 
 class StageFailed(RuntimeError):
     """A stage raised; the message names the stage and its error."""
+
+    one_line_in_logs = True  # the stage's task run logged its cause's traceback, if it had one (tasks.log)
 
 
 class SelectionError(StageFailed):

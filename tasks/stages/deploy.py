@@ -65,6 +65,7 @@ from tasks.hosts.servers import (
 )
 from tasks.log import logger
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
 from tasks.stages.target import recorded_target_dir
 
 DRY_RUN_SCRIPT = Path(eagle3.__file__).resolve().parent / "serving" / "sglang_dryrun.py"
@@ -282,6 +283,7 @@ def prepare_and_launch(cfg: ExperimentConfig, ctx: StageContext, spec: Speculati
 
 
 @task(name="deploy_server", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def deploy_server(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     exported = ctx.upstream["export_checkpoint"]["outputs"]
     draft_dir, target_dir = Path(exported["sglang_dir"]), recorded_target_dir(cfg, ctx, exported["target_dir"])

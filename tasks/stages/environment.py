@@ -28,6 +28,7 @@ from tasks.config.schema import ExperimentConfig
 from tasks.config.secrets import redact
 from tasks.log import logger
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
 
 
 class EnvironmentCheckFailed(RuntimeError):
@@ -82,6 +83,7 @@ def markdown_report(checks: list[Check]) -> str:
 
 
 @task(name="check_environment", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def check_environment(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     facts = gather_facts(cfg.runs_root)
     checks = evaluate(facts, needs_for(cfg))

@@ -21,7 +21,9 @@ from tasks.config.schema import ExperimentConfig
 from tasks.log import logger
 from tasks.rundir import digest_json, digest_paths
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
 from tasks.stages.target import recorded_target_dir
+from tasks.tracking.journal import is_placeholder
 
 
 def export_settings(cfg: ExperimentConfig, target_dir: Path) -> ExportConfig:
@@ -33,6 +35,7 @@ def export_settings(cfg: ExperimentConfig, target_dir: Path) -> ExportConfig:
 
 
 @task(name="export_checkpoint", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     trained = ctx.upstream["train_draft"]
     checkpoint = trained["outputs"]["checkpoint"]
@@ -51,8 +54,10 @@ def export_checkpoint(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     outputs = {f"{fmt}_dir": path for fmt, path in result["formats"].items()} | {"target_dir": str(target_dir)}
     if cfg.export.registered_model and "sglang" in result["formats"]:
         version = ctx.mlflow.register_version(cfg.export.registered_model, "checkpoint/sglang", {"format": "sglang"})
-        shown = version or "pending (MLflow is unreachable: registered by `eagleops sync`)"
+        shown = f"pending as {version} (MLflow does not answer: `eagleops sync` registers it)" \
+            if is_placeholder(version) else version
         logger().info(f"registered {cfg.export.registered_model} version {shown}")
-        outputs["registered_model_version"] = f"{cfg.export.registered_model}/{shown}"
+        # a placeholder until the journal is synced, which writes the version number here in the manifest
+        outputs["registered_model_version"] = f"{cfg.export.registered_model}/{version}"
     digest = digest_json([digest_paths(result["formats"].values()), ctx.upstream_digests.get("train_draft")])
     return {**result, "metrics": {"validation_warnings": result["warnings"]}, "outputs": outputs, "output_digest": digest}

@@ -4,7 +4,9 @@ One parent run per experiment run and one nested child run per stage attempt (`r
 through a journal while the server is down and replayed later (`outage`, `journal`, `sync`); the local
 SQLite store that moves with its runs root (`store`); the links and runs-table view a person opens
 (`views`); run tags and `eagleops runs`' listing (`runs`); the model registry and its aliases
-(`registry`); system metrics (`system_metrics`). Default store: `sqlite:///<runs_root>/mlflow.db` with
+(`registry`; its writes, journaled and replayed like the rest, in `registry_ops`); system metrics of
+this machine (`system_metrics`) and, over SSH, of the hosts a stage works on (`host_metrics`); training
+metrics handed off the training loop to a background sender (`handoff`). Default store: `sqlite:///<runs_root>/mlflow.db` with
 artifacts in `<runs_root>/mlartifacts`; an `http://` URI works the same. Redaction
 (`tasks.config.secrets`) is applied before every write, online or journaled.
 

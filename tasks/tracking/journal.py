@@ -5,7 +5,8 @@ While the tracking server does not answer, `tasks.tracking.RunLogger` appends ea
 `{"op": ..., "run": <run id or offline-<uuid>>, "time": <ms>, "args": {...}}`. Artifact files
 are copied under `<run_dir>/mlflow-journal/files/<entry>/` when the call is made, so a stage
 that later rewrites or deletes them loses nothing. Runs created while offline get placeholder
-ids `offline-<uuid>` that the pipeline stores in the manifest like real ids.
+ids `offline-<uuid>` that the pipeline stores in the manifest like real ids; model versions registered
+while offline get `offline-version-<uuid>`, and the registry writes that follow name them so.
 
 Replay progress lives in `<run_dir>/mlflow-journal.state.json`: how many entries are done, the
 placeholder -> real id map, and the entries the server refused. This module only stores;
@@ -41,8 +42,9 @@ def journal_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / JOURNAL_FILE
 
 
-def new_placeholder_id() -> str:
-    return f"{PLACEHOLDER_PREFIX}{uuid.uuid4().hex}"
+def new_placeholder_id(kind: str = "") -> str:
+    """`offline-<uuid>` for a run; `offline-version-<uuid>` (kind "version-") for a model version."""
+    return f"{PLACEHOLDER_PREFIX}{kind}{uuid.uuid4().hex}"
 
 
 def is_placeholder(run_id: str) -> bool:
@@ -51,11 +53,13 @@ def is_placeholder(run_id: str) -> bool:
 
 @dataclass
 class JournalState:
-    """Replay progress: entries done (in order), placeholder -> real run id, refused entries."""
+    """Replay progress: entries done (in order), placeholder -> real run id, refused entries, and placeholder ->
+    registered model version (also as `name/<placeholder>` -> `name/<version>`, the form the manifest records)."""
 
     done: int = 0
     ids: dict[str, str] = field(default_factory=dict)
     refused: list[dict[str, Any]] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)
 
 
 class Journal:
@@ -118,12 +122,14 @@ class Journal:
             return JournalState()
         try:
             data = json.loads(self.state_path.read_text())
-            return JournalState(int(data["done"]), dict(data["ids"]), list(data.get("refused", [])))
+            return JournalState(int(data["done"]), dict(data["ids"]), list(data.get("refused", [])),
+                                dict(data.get("versions", {})))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{self.state_path}: unreadable journal state ({err})") from None
 
     def save_state(self, state: JournalState) -> None:
-        write_json_atomic(self.state_path, {"done": state.done, "ids": state.ids, "refused": state.refused})
+        write_json_atomic(self.state_path, {"done": state.done, "ids": state.ids, "refused": state.refused,
+                                            "versions": state.versions})
 
     def pending(self) -> int:
         return max(0, len(self.entries()) - self.load_state().done)

@@ -5,24 +5,29 @@ SGLang directory as the version's source, see tasks/stages/export.py). Two alias
 `champion` (what deploys fetch as `models:/NAME@champion`) and `previous` (the champion it
 replaced, for a rollback). `promote_or_keep` writes a decision in an order that a crash at any
 point leaves consistent and a re-run completes: lineage tags, then the `eagleops.gate` tag
-(the decision), then `previous`, then `champion`, then the tags of the experiment's parent run.
+(the decision), then `previous` and `champion`, then the tags of the experiment's parent run.
 
-Risk: every call here needs the tracking server; the tasks retry on an outage and then fail the
-nightly run rather than guess a champion. That is by design, not a gap in the outage journal
-(tasks.tracking.journal): registering a version is journaled (RunLogger.register_version, the export
-stage, so every demo run registers offline too), but reading the champion decides what to train from
-and what to measure against, and a promotion replayed later could move `champion` away from a
-version promoted meanwhile that this gate never measured.
+Outage. Every registry write goes through the experiment's `RunLogger` (tasks.tracking.registry_ops):
+registering the challenger (the export stage), the decision's tags, the alias move, so while the
+tracking server does not answer they are journaled in the run folder with the run's other writes and
+`eagleops sync RUN_DIR` (or the next run on the folder) makes them, in order and once. The alias move
+carries the champion the gate measured against and is applied only while that is still the champion:
+a journaled promotion never replaces a champion promoted meanwhile that this gate never measured.
+Reading is another matter: the champion decides what to train from and what to measure against, so
+the nightly never guesses it. A nightly that cannot read it stops with one line (`RegistryUnavailable`)
+before anything is trained; one whose export was journaled (no version number yet) stops after the
+export with one line naming the resume command, its data, training and export kept in the run folder;
+a gate that cannot look up an earlier decision on the challenger reads the run folder's instead.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from mlflow.artifacts import download_artifacts
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -31,14 +36,14 @@ from tasks.config.schema import ExperimentConfig
 from tasks.config.secrets import redact
 from tasks.log import logger
 from tasks.rundir import RunDirectory, digest_paths
-from tasks.tracking.outage import is_outage
+from tasks.tracking.journal import is_placeholder
+from tasks.tracking.outage import is_outage, short_reason
+from tasks.tracking.registry_ops import CHAMPION, PREVIOUS, champion_version
+from tasks.tracking.run_logger import MAX_TAG_LENGTH, RunLogger
 from tasks.tracking.runs import run_tags
 from tasks.tracking.views import tracking_uri_for
 
-CHAMPION = "champion"
-PREVIOUS = "previous"
 GATE_TAG = "eagleops.gate"
-MAX_TAG_LENGTH = 5000  # MLflow's limit on a tag value
 SGLANG_FILES = ("config.json", "model.safetensors")
 DOWNLOAD_MARKER = ".download-complete"  # written last into a downloaded version's folder
 
@@ -50,6 +55,10 @@ def _retry_on_outage(task, task_run, state) -> bool:
     except Exception as err:  # the failed state re-raises the task's exception
         return is_outage(err)
     return False
+
+
+class RegistryUnavailable(RuntimeError):
+    """The registry did not answer where the nightly must read it; str() is one line saying what was kept."""
 
 
 REGISTRY_RETRIES = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": _retry_on_outage}
@@ -65,19 +74,6 @@ def registered_model_name(cfg: ExperimentConfig) -> str:
 
 
 # ------------------------------------------------------------------ reading
-
-
-def champion_version(client: MlflowClient, name: str) -> str | None:
-    """The version under the `champion` alias, or None (no such model, or no champion yet)."""
-    try:
-        return client.get_model_version_by_alias(name, CHAMPION).version
-    except MlflowException as err:
-        no_model = err.error_code == "RESOURCE_DOES_NOT_EXIST"
-        # A model without the alias answers INVALID_PARAMETER_VALUE "Registered model alias champion not found."
-        no_alias = err.error_code == "INVALID_PARAMETER_VALUE" and "alias" in str(err) and "not found" in str(err)
-        if no_model or no_alias:
-            return None
-        raise
 
 
 def download_version(tracking_uri: str, name: str, version: str, destination: Path) -> Path:
@@ -114,7 +110,15 @@ def download_version(tracking_uri: str, name: str, version: str, destination: Pa
 def fetch_champion(cfg: ExperimentConfig) -> dict[str, str] | None:
     """The current champion as {version, dir, uri}, downloaded under <runs_root>/nightly/; None if there is none."""
     name, uri = registered_model_name(cfg), tracking_uri_for(cfg)
-    version = champion_version(MlflowClient(uri), name)
+    try:
+        version = champion_version(MlflowClient(uri), name)
+    except Exception as err:
+        if not is_outage(err):
+            raise
+        raise RegistryUnavailable(
+            f"the champion of {name} cannot be read: the MLflow registry at {redact(uri)} does not answer "
+            f"({short_reason(err)}); the nightly does not guess a champion, so nothing was trained or changed: "
+            "run it again once the server answers") from err
     if version is None:
         logger().info(f"{name}: no champion yet; the new draft becomes champion if it passes the floor")
         return None
@@ -129,11 +133,28 @@ def challenger_version(cfg: ExperimentConfig, experiment: dict[str, Any]) -> str
     outputs = experiment["results"].get("export_checkpoint", {}).get("outputs", {})
     registered = outputs.get("registered_model_version", "")
     name, _, version = registered.partition("/")
+    if name == cfg.export.registered_model and is_placeholder(version):
+        run_dir = experiment["run_dir"]
+        raise RegistryUnavailable(
+            f"{name}: the export's registration is journaled in {run_dir} (the MLflow registry did not answer), so "
+            "the challenger has no version number to gate and promote yet; data, training and export are kept: once "
+            f"the server answers, resume with: eagleops nightly {cfg_path_hint(experiment)} --run-dir {run_dir}")
     if name != cfg.export.registered_model or not version.isdigit():
         raise RuntimeError(f"export_checkpoint did not register a version of {cfg.export.registered_model} "
-                           f"(recorded: {registered or 'nothing'}); the nightly gate needs the MLflow registry "
-                           "reachable during the export")
+                           f"(recorded: {registered or 'nothing'})")
     return version
+
+
+def cfg_path_hint(experiment: dict[str, Any]) -> str:
+    """The nightly's config file, for a resume command: the one the run started with, or the base of the overlay
+    that trained from the champion (tasks.stages.gate.nightly.training_config)."""
+    started_with = RunDirectory.open(experiment["run_dir"]).manifest.get("config_path")
+    if not started_with:
+        return "CONFIG"
+    try:
+        return str(json.loads(Path(started_with).read_text())["sweep"]["base"])
+    except (OSError, ValueError, KeyError, TypeError):  # not an overlay: the config itself
+        return str(started_with)
 
 
 def recorded_decision(cfg: ExperimentConfig, version: str) -> dict[str, str] | None:
@@ -171,23 +192,32 @@ def promote_or_keep(tracking_uri: str, name: str, challenger: str, champion: str
                     reason: str, lineage: dict[str, str], parent_run_id: str) -> dict[str, Any]:
     """Record the gate's decision on `challenger`; when `promote`, it becomes `champion` and the old one `previous`.
 
-    `reason` starts with "promoted:" or "refused:". Returns the aliases after the call.
+    `reason` starts with "promoted:" or "refused:". Written through the experiment's parent run's logger: while
+    the server does not answer, journaled and made by `eagleops sync` (the alias only if `champion` is still
+    the champion then). Returns the aliases after the call (none while journaled, `journaled` then says where).
     """
-    client = MlflowClient(tracking_uri)
-    for key, value in lineage.items():
-        client.set_model_version_tag(name, challenger, key, _tag_value(value))
-    client.set_model_version_tag(name, challenger, GATE_TAG, _tag_value(reason))
+    parent = RunLogger(tracking_uri, parent_run_id)
+    parent.set_version_tags(name, challenger, {**lineage, GATE_TAG: reason})
     if promote:
-        if champion is not None and champion != challenger:
-            client.set_registered_model_alias(name, PREVIOUS, champion)
-        client.set_registered_model_alias(name, CHAMPION, challenger)
-    client.set_tag(parent_run_id, GATE_TAG, _tag_value(reason))
-    client.set_tag(parent_run_id, "eagleops.gate.decision", "promoted" if promote else "refused")
-    client.set_tag(parent_run_id, "eagleops.gate.model_version", f"{name}/{challenger}")
+        parent.move_champion(name, challenger, champion)
+    parent.set_tags({GATE_TAG: _tag_value(reason), "eagleops.gate.decision": "promoted" if promote else "refused",
+                     "eagleops.gate.model_version": f"{name}/{challenger}"})
+    outcome = {"promoted": promote, "reason": reason, "model": name, "challenger": challenger,
+               "champion_before": champion}
+    if parent.offline:
+        journal = parent.journal
+        logger().warning(f"{name} version {challenger}: {reason} -- not in the registry yet: the MLflow server does "
+                         f"not answer, so this decision is journaled in {journal} and `eagleops sync {journal.parent}` "
+                         f"makes it" + (f" (champion moves only if it is still {_shown(champion)} then)" if promote else ""))
+        return {**outcome, "aliases": {}, "journaled": str(journal)}
+    client = MlflowClient(tracking_uri)
     aliases = {alias: version for alias, version in _aliases(client, name).items() if alias in (CHAMPION, PREVIOUS)}
     logger().info(f"{name} version {challenger}: {reason} (aliases now {aliases})")
-    return {"promoted": promote, "reason": reason, "model": name, "challenger": challenger,
-            "champion_before": champion, "aliases": aliases}
+    return {**outcome, "aliases": aliases}
+
+
+def _shown(champion: str | None) -> str:
+    return "unset (a first champion)" if champion is None else f"version {champion}"
 
 
 def _aliases(client: MlflowClient, name: str) -> dict[str, str]:

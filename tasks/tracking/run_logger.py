@@ -6,7 +6,8 @@ active-run stack, which is per thread: Prefect may run a task in another thread 
 flow, and a stage's child run must not depend on which thread logs to it. Risk: a write path that
 calls `MlflowClient` directly instead of going through `RunLogger` fails the run in an outage, and
 sends an `offline-` id to the server once the run has one; so RunLogger has a method for each write
-the stages make (tables and model versions included) and exposes no client.
+the stages make (tables and the model-registry writes included: tasks.tracking.registry_ops) and exposes
+no client.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from tasks.config.masked import flatten, masked_dict, masked_yaml
@@ -35,24 +35,20 @@ from tasks.tracking.outage import (
     go_offline,
     is_offline,
 )
+from tasks.tracking.registry_ops import move_champion, register_version, set_version_tags
 from tasks.tracking.views import ensure_experiment, tracking_uri_for
 
 MAX_PARAM_LENGTH = 6000
+MAX_TAG_LENGTH = 5000  # MLflow's limit on a tag value
 
 
 BATCH = 100
-
-
-# Shown on the registry page of a model eagleops registers first (a model made by hand keeps its own).
-REGISTERED_MODEL_DESCRIPTION = (
-    "EAGLE-3 draft checkpoints registered by eagleops' export_checkpoint, one version per run (the SGLang checkpoint "
-    "folder). Deploys fetch `models:/<name>@champion`; `eagleops nightly` moves `champion` to a new version only when "
-    "it wins the gate against the current one, which it keeps as `previous`."
-)
+METRICS_BATCH = 1000  # MLflow's log_batch limit on metrics per call (params: 100)
 
 
 # The run tag MlflowClient.log_table keeps its tables in (mlflow.utils.mlflow_tags.MLFLOW_LOGGED_ARTIFACTS).
 LOGGED_ARTIFACTS_TAG = "mlflow.loggedArtifacts"
+MLFLOW_DATASET_CONTEXT = "mlflow.data.context"  # mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT
 
 
 # The journal of every run opened with one, so `RunLogger(uri, run_id)` built anywhere (a stage's
@@ -100,6 +96,19 @@ class RunLogger:
         for start in range(0, len(items), BATCH):
             self._write("log_batch", {"metrics": items[start : start + BATCH]})
 
+    def log_metric_rows(self, rows: list[tuple[int, int, dict[str, float]]]) -> None:
+        """Rows of (step, time in ms, metrics), in order, as few log_batch calls as MLflow's limit allows: what
+        `tasks.tracking.handoff` sends for a training loop (each row keeps the time the loop produced it)."""
+        items = [[k, float(v), ms, step] for step, ms, metrics in rows for k, v in metrics.items() if _is_number(v)]
+        for start in range(0, len(items), METRICS_BATCH):
+            self._write("log_batch", {"metrics": items[start : start + METRICS_BATCH]})
+
+    def log_dataset(self, dataset: dict[str, str], context: str = "training") -> None:
+        """One MLflow dataset input (`name`, `digest`, `source_type`, `source`, `profile`, optional `schema`) with
+        its `mlflow.data.context` tag: the run's Datasets column, and what the runs table groups by. Logging the
+        same name and digest twice (a resume, a replay) adds nothing: MLflow keeps one input per run."""
+        self._write("log_inputs", {"datasets": [{**dataset, "context": context}]})
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         self._write("log_batch", {"tags": [[k, redact(str(v))] for k, v in tags.items()]})
 
@@ -129,18 +138,30 @@ class RunLogger:
         in the run's `mlflow.loggedArtifacts` tag (the UI shows it as a table); journaled like any write."""
         self._write("log_table", {"table": redact_obj(table), "artifact_file": artifact_file})
 
-    def register_version(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
-        """Register `<this run's artifacts>/<artifact_path>` as a new version of model `name`.
+    def register_version(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str:
+        """Register `<this run's artifacts>/<artifact_path>` as a version of model `name` (once per run and path).
 
-        Returns the version, or None when the call was journaled (the version number is known
-        only once `sync_journal` registers it).
+        Returns the version, or, when the call was journaled, a placeholder (`offline-version-...`, see
+        `is_placeholder`) that `sync_journal` maps to the version it registers, in the journal state and
+        wherever the manifest records it (alone or as `name/<placeholder>`).
         """
         args = {"name": name, "artifact_path": artifact_path, "tags": {k: redact(str(v)) for k, v in (tags or {}).items()}}
         versions: list[str] = []
-        if self._try_online(lambda c: versions.append(_register_version(c, self.run_id, args))):
+        if self._try_online(lambda c: versions.append(register_version(c, self.run_id, args))):
             return versions[0]
+        args["placeholder"] = new_placeholder_id("version-")
         Journal(self.journal).append("register_version", self.run_id, _now_ms(), args)
-        return None
+        return args["placeholder"]
+
+    def set_version_tags(self, name: str, version: str, tags: dict[str, Any]) -> None:
+        """Tags on a model version, in order (journaled like any write of this run)."""
+        self._write("set_version_tags", {"name": name, "version": version,
+                                         "tags": {k: redact(str(v))[:MAX_TAG_LENGTH] for k, v in tags.items()}})
+
+    def move_champion(self, name: str, challenger: str, measured_against: str | None) -> None:
+        """`champion` -> `challenger`, the old one kept as `previous`, only if the champion is still `measured_against`
+        when the write is made (live, or at replay: tasks.tracking.registry_ops.move_champion)."""
+        self._write("move_champion", {"name": name, "challenger": challenger, "measured_against": measured_against})
 
     def finish(self, status: str) -> None:
         self._write("set_terminated", {"status": status, "end_time": _now_ms()})
@@ -166,8 +187,9 @@ class RunLogger:
         })
 
 
-def apply_op(client: MlflowClient, op: str, run_id: str, args: dict[str, Any]) -> None:
-    """One write as the journal records it, made against the server (live and at replay)."""
+def apply_op(client: MlflowClient, op: str, run_id: str, args: dict[str, Any]) -> str | None:
+    """One write as the journal records it, made against the server (live and at replay); a registered version's
+    number for `register_version`."""
     if op == "log_batch":
         client.log_batch(
             run_id,
@@ -182,11 +204,23 @@ def apply_op(client: MlflowClient, op: str, run_id: str, args: dict[str, Any]) -
     elif op == "log_artifact":
         _upload(client, run_id, Path(args["path"]), args.get("artifact_path"))
     elif op == "register_version":
-        _register_version(client, run_id, args)
+        return register_version(client, run_id, args)
+    elif op == "set_version_tags":
+        set_version_tags(client, args)
+    elif op == "move_champion":
+        move_champion(client, args)
     elif op == "log_table":
         _log_table(client, run_id, args["table"], args["artifact_file"])
+    elif op == "log_inputs":
+        client.log_inputs(run_id, datasets=[_dataset_input(d) for d in args["datasets"]])
     else:
         raise ValueError(f"unknown MLflow journal op '{op}'")
+
+
+def _dataset_input(dataset: dict[str, str]) -> DatasetInput:
+    entity = Dataset(dataset["name"], dataset["digest"], dataset["source_type"], dataset["source"],
+                     schema=dataset.get("schema"), profile=dataset.get("profile"))
+    return DatasetInput(entity, tags=[InputTag(MLFLOW_DATASET_CONTEXT, dataset["context"])])
 
 
 def _upload(client: MlflowClient, run_id: str, path: Path, artifact_path: str | None) -> None:
@@ -211,18 +245,6 @@ def _log_table(client: MlflowClient, run_id: str, table: dict[str, list], artifa
     entry = {"path": artifact_file, "type": "table"}
     if entry not in logged:
         client.set_tag(run_id, LOGGED_ARTIFACTS_TAG, json.dumps(logged + [entry]))
-
-
-def _register_version(client: MlflowClient, run_id: str, args: dict[str, Any]) -> str:
-    try:
-        client.create_registered_model(args["name"], description=REGISTERED_MODEL_DESCRIPTION)
-    except MlflowException as err:
-        if err.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    source = f"{client.get_run(run_id).info.artifact_uri}/{args['artifact_path']}"
-    # No wait: MLflow's own stores create a version READY, and the wait logs a line into every run's output.
-    return client.create_model_version(args["name"], source=source, run_id=run_id, tags=args["tags"],
-                                       await_creation_for=0).version
 
 
 def _write_dict(data: Any, path: Path) -> None:

@@ -97,6 +97,21 @@ def recent_runs(tracking_uri: str, experiment: str | None, limit: int) -> list[d
     return [_run_row(r, names) for r in runs]
 
 
+def parent_run_ids(tracking_uri: str, name: str) -> list[str]:
+    """The ids of the parent runs named `name`, as `eagleops runs` prints it (`RUN_NAME`, or `EXPERIMENT/RUN_NAME`
+    when it lists several experiments)."""
+    client = MlflowClient(tracking_uri)
+    experiment, _, run_name = name.rpartition("/")
+    found = client.get_experiment_by_name(experiment) if experiment else None
+    if experiment and found is None:
+        return []
+    ids = [found.experiment_id] if found else [e.experiment_id for e in client.search_experiments()]
+    quoted = run_name.replace("'", "\\'")
+    runs = client.search_runs(ids, filter_string=f"tags.`eagleops.kind` = 'experiment' and "
+                                                 f"attributes.run_name = '{quoted}'", max_results=10) if ids else []
+    return [r.info.run_id for r in runs]
+
+
 def _run_row(run: Any, names: dict[str, str]) -> dict[str, Any]:
     metrics = run.data.metrics
     return {
@@ -109,5 +124,36 @@ def _run_row(run: Any, names: dict[str, str]) -> dict[str, Any]:
         # the setting the headline figures are of (the benchmark's best), else the one the config asks for
         "setting": run.data.tags.get("eagleops.best_setting") or run.data.tags.get("eagleops.speculative", "-"),
         "stages": run.data.tags.get("eagleops.stages", ""),
+        "flow_run_id": run.data.tags.get("prefect.flow_run_id", ""),
         "metrics": {k: metrics[k] for k in sorted(metrics)},
     }
+
+
+# The parent run's tag when data, training and export all ran in it on the prompts data set (tasks.runner.gpu_hours).
+FULL_RETRAIN_TAG = "eagleops.full_retrain"
+
+
+def last_full_retrain(tracking_uri: str, mlflow_experiment: str, experiment: str) -> dict[str, Any] | None:
+    """The newest parent run of `experiment` tagged a full retrain, with what its data, training and export held
+    (`gpu_hours_retrain`) and the samples it asked for (its `data.num_samples`, the measure a config's estimate is
+    scaled by: the samples a data stage makes fall short of it by the ones it drops); None when there is none."""
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(mlflow_experiment)
+    if found is None:
+        return None
+    runs = client.search_runs([found.experiment_id], order_by=["attributes.start_time DESC"], max_results=1,
+                              filter_string=f"tags.`{FULL_RETRAIN_TAG}` = 'true' and params.experiment = '{experiment}' "
+                                            "and metrics.gpu_hours_retrain >= 0")
+    if not runs:
+        return None
+    run = runs[0]
+    return {"run_id": run.info.run_id, "run_name": run.info.run_name, "start_time": run.info.start_time,
+            "gpu_hours": run.data.metrics["gpu_hours_retrain"],
+            "samples": _number(run.data.params.get("data.num_samples"))}
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None

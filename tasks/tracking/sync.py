@@ -1,5 +1,6 @@
 """Replaying a run folder's MLflow journal (`eagleops sync RUN_DIR`, and the start of a resumed run): in order,
-once, placeholder run ids mapped to the real ones in the journal state and the manifest."""
+once, placeholder run ids (and model versions) mapped to the real ones in the journal state and the manifest.
+Registry writes replay like run writes (tasks.tracking.registry_ops says why each is safe to repeat)."""
 from __future__ import annotations
 
 import json
@@ -29,6 +30,9 @@ from tasks.tracking.outage import (
 from tasks.tracking.run_logger import apply_op
 from tasks.tracking.views import ensure_experiment
 
+# Registry writes: a model version registered while offline is named by its placeholder until replayed.
+REGISTRY_OPS = ("set_version_tags", "move_champion")
+
 
 @dataclass
 class SyncResult:
@@ -48,7 +52,9 @@ def sync_journal(run_dir: str | Path, tracking_uri: str) -> SyncResult:
     records progress after each entry, so a second call is a no-op and an interrupted one
     resumes. An entry replayed twice (killed between the call and the state write) is harmless:
     a run is found again by its `eagleops.offline_id` tag, params and tags with equal values
-    and artifacts overwrite, and MLflow keeps an identical metric point once. A refused entry
+    and artifacts overwrite, MLflow keeps an identical metric point once, a model version is found again
+    by its run and source, and the champion moves only from the version its gate measured against
+    (tasks.tracking.registry_ops). A refused entry
     (4xx) is recorded in the state and skipped. Raises TrackingUnavailable when the server does
     not answer (progress so far is kept).
     """
@@ -69,7 +75,7 @@ def sync_journal(run_dir: str | Path, tracking_uri: str) -> SyncResult:
             result.replayed += 1
             journal.save_state(state)
     finally:
-        rewrite_manifest_ids(run_dir, state.ids)
+        rewrite_manifest_ids(run_dir, {**state.ids, **state.versions})
     return result
 
 
@@ -83,12 +89,15 @@ def _replay_entry(client: MlflowClient, journal: Journal, entry: dict, state: Jo
         run_id = state.ids.get(placeholder, placeholder)
         if is_placeholder(run_id):
             raise MlflowException(f"run {run_id} was never created on the server (its create_run entry was refused)")
-        args = dict(entry["args"])
+        args = replace_ids(dict(entry["args"]), state.versions) if op in REGISTRY_OPS else dict(entry["args"])
         if op == "log_artifact":
             args["path"] = str(journal.resolve(args["path"]))
         if op == "log_batch":
             args["tags"] = replace_ids(args.get("tags", []), state.ids)
-        apply_op(client, op, run_id, args)
+        version = apply_op(client, op, run_id, args)
+        if op == "register_version" and args.get("placeholder"):
+            state.versions[args["placeholder"]] = version
+            state.versions[f"{args['name']}/{args['placeholder']}"] = f"{args['name']}/{version}"
     except Exception as err:
         if is_outage(err):
             raise TrackingUnavailable(f"the tracking server stopped answering during sync ({short_reason(err)}); "
@@ -114,7 +123,7 @@ def _replay_create(client: MlflowClient, placeholder: str, args: dict[str, Any])
 
 
 def rewrite_manifest_ids(run_dir: Path, ids: dict[str, str]) -> None:
-    """Replace placeholder run ids by real ones everywhere in the run folder's manifest.json."""
+    """Replace placeholder run ids (and model versions) by real ones everywhere in the run folder's manifest.json."""
     path = run_dir / MANIFEST
     if not ids or not path.is_file():
         return

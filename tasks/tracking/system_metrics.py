@@ -12,9 +12,9 @@ MLflow's monitor thread itself is not started: it writes with its own client
 offline journal, so an outage would silently end the sampling and an `offline-` run id would
 reach the server. Here each aggregate goes through `RunLogger.log_metrics`: online while the
 server answers, journaled while it does not, replayed by `eagleops sync`.
-Risk: what is sampled is the machine running the stage (the Prefect worker), not an SSH host
-that `deploy_server` or `train.nodes` drives; a write the server refuses (4xx) ends the sampling
-with one warning, never the stage.
+Risk: what is sampled is the machine running the stage (the Prefect worker); the SSH hosts that
+data.host, `train.nodes` or `deploy.host` name are sampled over SSH by `host_metrics`, as
+`system/<host>/...`. A write the server refuses (4xx) ends the sampling with one warning, never the stage.
 """
 
 from __future__ import annotations

@@ -50,6 +50,11 @@ RUNS_VIEW_KEY = "eagleops-headline"
 PRIMARY_METRIC_TAG = "mlflow.experiment.primaryMetric.name"
 
 
+# MLflow's Dataset column (its id for the attribute "Dataset"): wide enough for "name (digest) Training".
+DATASET_COLUMN = "attributes.`Dataset`"
+DATASET_COLUMN_WIDTH = 340
+
+
 # The parent run's headline metrics, as the runs table, its charts and `eagleops runs` show them.
 HEADLINE_METRICS = ("run_benchmark.best_tok_s", "run_benchmark.speedup", "run_benchmark.accept_length_online",
                     "run_benchmark.accept_length_offline", "run_benchmark.baseline_tok_s")
@@ -83,12 +88,14 @@ def ensure_experiment(client: MlflowClient, name: str, runs_root: str | Path, lo
 
 
 def runs_view_state() -> dict[str, Any]:
-    """The shared runs-table view: headline metrics and the speculative setting as columns (then MLflow's
-    defaults), newest first, and the chart view opening on tok/s, speedup and the accept lengths."""
-    columns = [f"metrics.`{m}`" for m in HEADLINE_METRICS] + ["tags.`eagleops.best_setting`"]
+    """The shared runs-table view: headline metrics, the speculative setting and the training data (the parent's
+    dataset input: tasks/stages/train/dataset_input.py) as columns (then MLflow's defaults), newest first, and the
+    chart view opening on tok/s, speedup and the accept lengths."""
+    columns = [f"metrics.`{m}`" for m in HEADLINE_METRICS] + ["tags.`eagleops.best_setting`", DATASET_COLUMN]
     charts = [{"uuid": f"eagleops-{m}", "type": "BAR", "runsCountToCompare": 10, "metricSectionId": "eagleops-headline",
                "deleted": False, "isGenerated": False, "metricKey": m, "displayName": m} for m in HEADLINE_METRICS]
-    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": {c: header_width(c) for c in columns},
+    widths = {c: DATASET_COLUMN_WIDTH if c == DATASET_COLUMN else header_width(c) for c in columns}
+    return {"selectedColumns": columns, "columnOrder": columns, "columnWidths": widths,
             "orderByKey": "attributes.start_time", "orderByAsc": False,
             "compareRunCharts": charts,
             "compareRunSections": [{"uuid": "eagleops-headline", "name": "eagleops headline", "display": True,
@@ -161,6 +168,11 @@ def prefect_flow_run_url(flow_run_id: str, timeout_s: float = 2.0) -> str | None
     if not ui and PREFECT_API_URL.value():
         ui = _default_prefect_ui((PREFECT_UI_URL.value() or "").rstrip("/"), timeout_s) or ""
     return f"{ui}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def default_prefect_ui(server: str, timeout_s: float = 10.0) -> str | None:
+    """The base address of the UI a Prefect server (`http://host:port`) opens by default; None when none answers."""
+    return _default_prefect_ui(server, timeout_s)
 
 
 def _default_prefect_ui(server: str, timeout_s: float) -> str | None:

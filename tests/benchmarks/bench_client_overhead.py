@@ -30,11 +30,10 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "eagle3" / "serving")]
 from test_serve_http import build_model_dirs  # noqa: E402
 from test_sglang_client import launch_reference_server, stop_server  # noqa: E402
 
+from eagle3.serving.bench_prompts import builtin_prompts, render_prompts
 from eagle3.serving.sglang_client import (
     RunStats,
     SGLangClient,
-    builtin_prompts,
-    render_prompts,
     run_benchmark,
     summarize_decode_log,
 )

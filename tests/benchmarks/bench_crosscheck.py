@@ -161,7 +161,8 @@ def run_our_client(port: int, target: Path, dataset: Path, output_len: int, chat
     """eagleops' own client on the same server and conversations: tok/s, TTFT, ITL, accept length."""
     import statistics
 
-    from eagle3.serving.sglang_client import SGLangClient, render_prompts, run_benchmark
+    from eagle3.serving.bench_prompts import render_prompts
+    from eagle3.serving.sglang_client import SGLangClient, run_benchmark
 
     conversations = [[{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
                       for t in c["conversations"][:1]] for c in json.loads(dataset.read_text())]

@@ -3,6 +3,9 @@
 Shapes (`--shape`), seq 2048, TTT 7, bf16 autocast over fp32 master weights, synthetic hidden states:
   llama-3.1-8b  H 4096, FFN 14336, 32 heads / 8 KV (head_dim 128), target vocab 128256, draft vocab 32000
   kimi-k2.5     H 7168, FFN 18432, 64 heads / 8 KV (head_dim 128), target vocab 163840, draft vocab 32000
+  kimi-k2.5-mla the MLA draft (train.draft.architecture deepseek_mla, SGLang's Eagle3DeepseekV2ForCausalLM):
+                H 7168, FFN 18432, 64 MLA heads, q/kv latent 1536/512, q/k head 128 + 64 rope, v 128,
+                Kimi's YaRN; kimi-k2.5-mla-3.1 adds the EAGLE-3.1 options fc_norm and norm_output
 Variants (same initial weights, same batch, fresh AdamW each):
   dense_eager     plain eager: dense boolean TTT mask in SDPA, [T, V] fp32 teacher, unfused loss
   dense_compiled  the same function under torch.compile
@@ -22,8 +25,9 @@ Variants (same initial weights, same batch, fresh AdamW each):
                   replayed as one CUDA graph after two eager steps (eagle3.training.step_graphs)
   fast_compiled_bN  fast_compiled at batch N (e.g. fast_compiled_b2); `--max-batch` also tries the
                   largest batch the measured memory slope predicts to fit, then smaller ones on OOM
-MFU = useful FLOPs/token (fc once; per step q/k/v/o, MLP, draft lm_head, causal attention;
-all x3 for fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
+MFU = useful FLOPs/token (fc once; per step q/k/v/o -- MLA: q_a/kv_a, q_b, kv_b, o --, MLP, draft lm_head,
+causal attention -- MLA: QK^T over d_n + d_r, PV over d_v, the zero padding of v not counted --; all x3 for
+fwd+bwd; plus the target lm_head teacher forward) x tokens/s over the bf16 matmul
 rate measured here, and (MFU@ref) over a fixed `--ref-tflops` (790, see REF_TFLOPS). Prints a
 table, and the memory one rank needs under FSDP at `--fsdp-world` ranks computed from the sizes
 and the measured single-GPU peak; writes JSON (--out).
@@ -63,10 +67,10 @@ sys.path.insert(0, str(REPO))
 import eagle3.draft.fused_layer as fused_layer  # noqa: E402
 import eagle3.draft.losses as losses  # noqa: E402
 import eagle3.draft.model as model_mod  # noqa: E402
-from eagle3.config import TrainConfig  # noqa: E402
+from eagle3.config import DraftShapeConfig, TrainConfig  # noqa: E402
 from eagle3.draft.held_grads import hold_gradients  # noqa: E402
 from eagle3.draft.losses import compute_teacher  # noqa: E402
-from eagle3.draft.model import DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
+from eagle3.draft.model import MLA_DIMS, DraftModelConfig, Eagle3DraftModel, TTTCache  # noqa: E402
 from eagle3.training.train import train_draft  # noqa: E402
 from eagle3.training import adamw
 from eagle3.training.trainer import clip_and_step
@@ -84,9 +88,24 @@ LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads
 KIMI_K25 = dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=8,
                 head_dim=128, vocab_size=163840, draft_vocab_size=32000, target_hidden_size=7168,
                 aux_layer_ids=[2, 30, 58], rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144)
-SHAPES = {"llama-3.1-8b": (LLAMA31_8B, 32), "kimi-k2.5": (KIMI_K25, 61)}  # shape, target layers
+# the same target with the MLA draft (configs/kimi-k2.5-int4.yaml since issue 37): Kimi-K2's MLA dims and YaRN
+KIMI_K25_MLA = dict(KIMI_K25, architecture="deepseek_mla", num_key_value_heads=64, head_dim=192, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                    rope_scaling={"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                                  "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+SHAPES = {"llama-3.1-8b": (LLAMA31_8B, 32), "kimi-k2.5": (KIMI_K25, 61), "kimi-k2.5-mla": (KIMI_K25_MLA, 61),
+          "kimi-k2.5-mla-3.1": (dict(KIMI_K25_MLA, fc_norm=True, norm_output=True), 61)}  # shape, target layers
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3])
+TINY_MLA = dict(TINY, architecture="deepseek_mla", num_key_value_heads=4, head_dim=24, q_lora_rank=32, kv_lora_rank=16,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)  # --tiny with an -mla --shape
+
+
+def tiny_shape(name: str) -> dict:
+    return dict(TINY_MLA, **{k: v for k, v in SHAPES[name][0].items() if k in ("fc_norm", "norm_output")}) \
+        if "mla" in name else TINY
+
+
 ALL_VARIANTS = ("dense_eager", "fast_eager", "fast_compiled", "fast_compiled_b2", "dense_compiled")
 EXTRA_VARIANTS = ("fast_compiled_flash", "fast_compiled_torch_adamw", "fast_compiled_unfused",  # only when named
                   "fast_compiled_prev", "fast_compiled_nopersist", "fast_compiled_steploss",
@@ -102,15 +121,39 @@ TARGET_LAYERS = 32  # of the synthetic target, unless SHAPES gives the shape's o
 REF_TFLOPS = 790.0
 
 
+def _attention_macs(cfg: DraftModelConfig, seq: int) -> tuple[float, float]:
+    """(projection MACs, causal attention MACs) per token of one draft step.
+
+    GQA: q/k/v from the 2H input, o; QK^T and PV over nh * d. MLA (as trained, the expanded form): q_a and
+    kv_a from the 2H input, q_b (r_q -> nh (d_n + d_r)), kv_b (r_kv -> nh (d_n + d_v)), o (nh d_v -> H); QK^T over
+    nh (d_n + d_r), PV over nh d_v (the TTT attention's zero padding of v to d_n + d_r is not useful work)."""
+    h, nh, keys = cfg.hidden_size, cfg.num_attention_heads, (seq + 1) / 2  # causal: (T+1)/2 keys on average
+    if cfg.is_mla:
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        proj = (2 * h * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.q_lora_rank * nh * qk
+                + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + v) + nh * v * h)
+        return proj, nh * (qk + v) * keys
+    q, kv = nh * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return 2 * h * (q + 2 * kv) + q * h, 2 * q * keys
+
+
+def serving_kv_bytes_per_token(cfg: DraftModelConfig, dtype_bytes: int = 2) -> int:
+    """The draft's KV cache per token as SGLang allocates it (bf16): GQA keeps k and v of every KV head; the MLA
+    draft's pool keeps the latent and the rope key (kv_lora_rank + qk_rope_head_dim) once for all heads."""
+    if cfg.is_mla:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+    return 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+
+
 def useful_flops_per_token(cfg: DraftModelConfig, seq: int, ttt: int) -> dict[str, float]:
     """Useful training FLOPs per token (2 per MAC; x3 = forward + backward)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    h = cfg.hidden_size
     fc = 2 * cfg.num_aux_hidden_states * cfg.target_hidden_size * h * 3
-    proj = 2 * (2 * h * (q + 2 * kv) + q * h) * 3
+    proj_macs, attn_macs = _attention_macs(cfg, seq)
+    proj = 2 * proj_macs * 3
     mlp = 2 * 3 * h * cfg.intermediate_size * 3
     head = 2 * h * cfg.draft_vocab_size * 3
-    attn = 2 * 2 * q * (seq + 1) / 2 * 3  # causal: QK^T and PV over (T+1)/2 keys on average
+    attn = 2 * attn_macs * 3
     teacher = 2 * cfg.target_hidden_size * cfg.vocab_size
     parts = {"fc": fc, "attn_proj": ttt * proj, "mlp": ttt * mlp, "draft_lm_head": ttt * head,
              "attention": ttt * attn, "teacher": teacher}
@@ -435,7 +478,8 @@ def write_synthetic_target(target_dir: Path, shape: dict, seed: int = 0, layers:
               "head_dim": shape["head_dim"], "vocab_size": shape["vocab_size"], "tie_word_embeddings": False,
               "rms_norm_eps": shape.get("rms_norm_eps", 1e-5), "rope_theta": shape.get("rope_theta", 10000.0),
               "rope_scaling": shape.get("rope_scaling"),
-              "max_position_embeddings": shape.get("max_position_embeddings", 4096)}
+              "max_position_embeddings": shape.get("max_position_embeddings", 4096),
+              **{k: shape[k] for k in MLA_DIMS if shape.get(k)}}  # a DeepSeek-V3-style target's MLA dims
     (target_dir / "config.json").write_text(json.dumps(config, indent=2))
     g = torch.Generator().manual_seed(seed)
     size = (shape["vocab_size"], shape["target_hidden_size"])
@@ -489,18 +533,21 @@ def write_synthetic_dataset(data_dir: Path, shape: dict, lengths: dict[str, list
     return data_dir
 
 
-def loop_config(mode: str, args) -> TrainConfig:
+def loop_config(mode: str, args, shape: dict | None = None) -> TrainConfig:
     devices, strategy = LOOP_MODES[mode]
-    return TrainConfig(ttt_steps=args.ttt, batch_size=args.batch, grad_accum=args.grad_accum, max_steps=args.steps,
-                       epochs=10_000, lr=1e-5, warmup_ratio=0.0, log_every=args.log_every, eval_every=10**9,
-                       checkpoint_every=10**9, eval_max_batches=1, devices=devices, strategy=strategy,
+    shape = shape or {}
+    draft = DraftShapeConfig(architecture=shape.get("architecture", "llama"), fc_norm=shape.get("fc_norm", False),
+                             norm_output=shape.get("norm_output", False))
+    return TrainConfig(draft=draft, ttt_steps=args.ttt, batch_size=args.batch, grad_accum=args.grad_accum, max_steps=args.steps,
+                       epochs=10_000, lr=1e-5, warmup_ratio=0.0, log_every=args.log_every, eval_every=10**8,
+                       checkpoint_every=10**8, eval_max_batches=1, devices=devices, strategy=strategy,
                        compile=not args.tiny, loss_chunk_tokens=args.chunk, cuda_graphs=args.cuda_graphs)
 
 
 def run_loop_mode(mode: str, args, shape: dict, target_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     """One train_draft run; one GPU runs as its own process (`python -m eagle3.training.train`, as a rank
     would) so no mode inherits another's GPU memory; devices=2 goes through train_draft's torchrun relaunch."""
-    cfg = loop_config(mode, args)
+    cfg = loop_config(mode, args, shape)
     t0 = time.perf_counter()
     if mode.startswith("node"):
         error = _run_through_node_launcher(cfg, shape, target_dir, data_dir, out_dir)
@@ -568,7 +615,7 @@ def run_loop(args) -> int:
     if unknown:
         raise SystemExit(f"bench_train: unknown --modes {sorted(unknown)}; choose from {sorted(LOOP_MODES)}")
     if args.tiny:
-        shape, args.seq, device = TINY, min(args.seq, 64), torch.device("cpu")
+        shape, args.seq, device = tiny_shape(args.shape), min(args.seq, 64), torch.device("cpu")
     else:
         if not torch.cuda.is_available() or torch.cuda.device_count() < max(LOOP_MODES[m][0] for m in modes):
             print(f"bench_train --loop: needs {max(LOOP_MODES[m][0] for m in modes)} CUDA GPUs (use --tiny on CPU). Skipped.")
@@ -590,6 +637,7 @@ def run_loop(args) -> int:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "shape_name": "tiny" if args.tiny else args.shape, "shape": shape, "seq": args.seq, "ttt": args.ttt, "batch": args.batch, "grad_accum": args.grad_accum,
               "steps": args.steps, "flops_per_token": flops, "matmul_tflops": matmul, "ref_tflops": args.ref_tflops,
+              "serving_kv_bytes_per_token": serving_kv_bytes_per_token(cfg),
               "dataset_write_s": time.perf_counter() - t0, "results": []}
     for mode in modes:
         res = run_loop_mode(mode, args, shape, target_dir, data_dir, work / f"run-{mode}")
@@ -607,8 +655,8 @@ def run_loop(args) -> int:
 
 def print_loop_table(report: dict) -> None:
     print(f"\n{report['device']}, torch {report['torch']}, matmul {report['matmul_tflops']:.3g} TFLOP/s, seq "
-          f"{report['seq']}, TTT {report['ttt']}, per-GPU batch {report['batch']} x grad_accum {report['grad_accum']}, "
-          f"{report['steps']} steps")
+          f"{report['seq']}, TTT {report['ttt']}, shape {report['shape_name']}, per-GPU batch {report['batch']} x grad_accum {report['grad_accum']}, "
+          f"{report['steps']} steps, draft KV cache when served {report['serving_kv_bytes_per_token']} B/token")
     single = next((r for r in report["results"] if r["mode"] == "single" and "tokens_per_s" in r), None)
     print(f"{'mode':<8}{'GPUs':>5}{'tok/s':>10}{'tok/s/GPU':>11}{'eff.':>7}{'MFU':>8}{'MFU@ref':>9}{'peak GiB':>10}"
           f"{'loss@1':>9}{'loss@N':>9}   (ref {report['ref_tflops']:.0f} TFLOP/s)")
@@ -664,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {sorted(unknown)}")
 
     if args.tiny:
-        device, shape, autocast_dtype, param_dtype = torch.device("cpu"), TINY, None, torch.float32
+        device, shape, autocast_dtype, param_dtype = torch.device("cpu"), tiny_shape(args.shape), None, torch.float32
         args.seq, args.iters, args.warmup = min(args.seq, 64), min(args.iters, 3), min(args.warmup, 1)
         variants = args.variants.split(",") if args.variants else [v for v in ALL_VARIANTS if "compiled" not in v]
         torch.set_num_threads(1)
@@ -681,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "shape_name": "tiny" if args.tiny else args.shape, "shape": shape,
               "seq": args.seq, "ttt": args.ttt, "flops_per_token": flops, "matmul_tflops": matmul,
+              "serving_kv_bytes_per_token": serving_kv_bytes_per_token(cfg),
               "ref_tflops": args.ref_tflops, "results": []}
     draft, lm_head = build(cfg, device, param_dtype)
     init_state = {k: v.detach().cpu().clone() for k, v in draft.state_dict().items()}
@@ -807,7 +856,8 @@ def print_table(report: dict) -> None:
              if "matmul_tflops_end" in report else "")
     print(f"\n{report['device']}, torch {report['torch']}, shape {report['shape_name']}, measured matmul "
           f"{report['matmul_tflops']:.3g} TFLOP/s{rates}, useful {report['flops_per_token']['total'] / 1e9:.4g} GFLOP/token, "
-          f"seq {report['seq']}, TTT {report['ttt']}")
+          f"seq {report['seq']}, TTT {report['ttt']}, draft KV cache when served "
+          f"{report['serving_kv_bytes_per_token']} B/token")
     print(f"{'variant':<18}{'batch':>6}{'ms/step':>10}{'tok/s':>10}{'MFU':>8}{'MFU@ref':>9}{'peak GiB':>10}"
           f"{'loss@0':>10}{'|g|@0':>10}{'b2b ms':>8}{'host ms':>9}   (ref {report['ref_tflops']:.0f} TFLOP/s; b2b: "
           f"steps back to back; host: its time to launch one of them, = b2b where the host sets the pace)")

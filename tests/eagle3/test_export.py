@@ -285,3 +285,76 @@ def test_serving_wiring_judges_the_layers_the_capture_engine_hooked(tmp_path):
     hooked = record | {"capture_engine": {"name": "sglang", "version": "0.5.23", "capture_indices": [1, 3, 4]}}
     problems = [p for p in check_serving_wiring(draft, TARGET, hooked) if p.code == "layer_mismatch"]
     assert problems and "HF hidden_states [1, 3, 4]" in problems[0].message and "[2, 4, 5]" in problems[0].message
+
+
+# ---------------------------------------------------------------- the MLA draft (Eagle3DeepseekV2ForCausalLM)
+
+MLA_TARGET = {**TARGET, "architectures": ["DeepseekV3ForCausalLM"], "q_lora_rank": 24, "kv_lora_rank": 16,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
+# the names SGLang's Eagle3DeepseekV2ForCausalLM.load_weights maps (kimi_k25_eagle3.py: q_a_proj and
+# kv_a_proj_with_mqa fused by name, the rest under model.midlayer.*), with fc_norm's per-aux norms
+MLA_KEYS = (SGLANG_KEYS - {f"midlayer.self_attn.{n}_proj.weight" for n in "qkv"}) | {
+    f"midlayer.self_attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                                                "kv_a_layernorm", "kv_b_proj")} | {f"fc_norm.{i}.weight" for i in range(3)}
+
+
+def make_mla_model(**options) -> Eagle3DraftModel:
+    torch.manual_seed(0)
+    model = Eagle3DraftModel(DraftModelConfig.from_target_config(MLA_TARGET, 40, AUX, architecture="deepseek_mla",
+                                                                 **options))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    model.load_target_embedding(torch.randn(80, 32))
+    return model
+
+
+def test_mla_export_has_sglangs_mla_names_config_and_reloads_to_the_same_logits(tmp_path):
+    model = make_mla_model(fc_norm=True, norm_output=True)
+    path = export_sglang(model, MLA_TARGET, tmp_path / "sglang", "float32")
+    assert set(load_file(str(path / "model.safetensors"))) == MLA_KEYS
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert {k: config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                   "v_head_dim", "num_attention_heads", "num_key_value_heads")} == {
+        "q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 4}
+    assert config["rope_interleave"] is True and config["fc_norm"] is True and config["norm_output"] is True
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert validate_sglang_checkpoint(path, MLA_TARGET) == []
+    from eagle3.export import check_serving_wiring
+
+    assert [p.code for p in check_serving_wiring(path, MLA_TARGET, None)] == ["training_record"]
+    reloaded = load_exported(path, target_embedding=model.embed_tokens.weight)
+    assert reloaded.config == model.config
+    torch.testing.assert_close(logits_of(reloaded), logits_of(model), rtol=0, atol=0)
+
+
+MLA_BROKEN = {
+    "no q_lora_rank": (lambda c: c.pop("q_lora_rank"), None, "mla_dims", "refuses a draft without q_lora_rank"),
+    "neox rope": (_set("rope_interleave", False), None, "rope_interleave", "neox-style"),
+    "llama model_type": (_set("model_type", "llama"), None, "model_type", "'deepseek_v3'"),
+    "missing kv_a": (None, lambda w: w.pop("midlayer.self_attn.kv_a_proj_with_mqa.weight"), "missing_key", "initial value"),
+    "renamed kv_b": (None, _rename("midlayer.self_attn.kv_b_proj.weight", "midlayer.self_attn.kv_b.weight"),
+                     "unknown_key", "with a warning"),
+    "wrong kv_b shape": (None, lambda w: w.__setitem__("midlayer.self_attn.kv_b_proj.weight",
+                                                       w["midlayer.self_attn.kv_b_proj.weight"][:40].contiguous()),
+                         "shape", "expected [56, 16]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MLA_BROKEN))
+def test_validator_rejects_each_broken_mla_variant(tmp_path, case):
+    edit_config, edit_weights, code, phrase = MLA_BROKEN[case]
+    path = export_sglang(make_mla_model(), MLA_TARGET, tmp_path / "sglang", "float32")
+    if edit_config is not None:
+        config = json.loads((path / "config.json").read_text())
+        edit_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if edit_weights is not None:
+        weights = load_file(str(path / "model.safetensors"))
+        edit_weights(weights)
+        save_file(weights, str(path / "model.safetensors"))
+    matching = [p for p in validate_sglang_checkpoint(path, MLA_TARGET) if p.code == code]
+    assert matching and any(phrase in p.message for p in matching), validate_sglang_checkpoint(path, MLA_TARGET)

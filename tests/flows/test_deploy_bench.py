@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from eagle3.data.served_dumps import load_dump, read_served_dumps
 from flows.cli import app
 from flows.experiment import eagle3_experiment
-from tasks.config.load import load_experiment
+from tasks.config.load import ConfigError, load_experiment
 from tasks.rundir import RunDirectory
 from tasks.runner.stages import StageFailed
 from tasks.stages.bench.stage import bench_prompts, request_inputs
@@ -239,7 +239,8 @@ def test_the_deployed_server_dumps_what_it_serves_where_the_run_records(trained_
 def test_seed_setting_fails_preflight_with_sglangs_explanation(trained_run, workdir):
     config = write_config(workdir, "seed", speculative=SEED)
     before = json.loads((trained_run / "servers.json").read_text()) if (trained_run / "servers.json").exists() else {}
-    with pytest.raises(StageFailed, match=r"num_draft_tokens: asked 16, SGLang runs 2 .*speculative_num_draft_tokens "
+    # refused before any stage (tasks/stages/preflight.py), with SGLang's own words, at the line that asks for it
+    with pytest.raises(ConfigError, match=r"num_draft_tokens: asked 16, SGLang runs 2 .*speculative_num_draft_tokens "
                                           r"is adjusted to speculative_num_steps \+ 1 when speculative_eagle_topk == 1"):
         deploy_and_bench(config, trained_run)
     after = json.loads((trained_run / "servers.json").read_text()) if (trained_run / "servers.json").exists() else {}
@@ -474,3 +475,44 @@ def test_teardown_of_a_moved_run_folder_from_another_directory(prefect_harness, 
             assert all(s["status"] == "stopped" for s in json.loads((moved / "servers.json").read_text()).values())
     finally:
         executor.close()
+
+
+# plan_serving (issue 36): the plan predicted from the benchmark's rows, its picks and a held-out setting
+# served and measured, each checked point with its error; files, MLflow and picks where the README says.
+PLAN = ("min_speedup: null, concurrency: [1, 2], sla: {itl_ms_p99: 5000}, plan_tolerance: 0.5, "
+        "plan: {num_steps: [1, 2, 3], eagle_topk: [1, 2], num_draft_tokens: [4], check_top: 1, held_out: 1}}")
+
+
+def test_the_plan_stage_predicts_checks_and_records_its_picks(trained_run, workdir):
+    config = write_config(workdir, "plan")
+    text = config.read_text()
+    assert "min_speedup: null}" in text
+    config.write_text(text.replace("min_speedup: null}", PLAN))
+    eagle3_experiment(str(config), run_dir=str(trained_run),
+                      stages=["deploy_server", "run_benchmark", "plan_serving"])
+    run = RunDirectory.open(trained_run)
+    stage = run.manifest["stages"]["plan_serving"]
+    assert stage["status"] == "completed"
+    summary = stage["summary"]
+    bench_rows = run.manifest["stages"]["run_benchmark"]["summary"]["rows"]
+    assert all(r["step_costs"]["source"] == "server" for r in bench_rows)
+    # grid as SGLang runs it: chains 1/1/2, 2/1/3, 3/1/4 and the trees 2/2/4, 3/2/4 (1/2/4 cannot run)
+    assert sorted(summary["grid"]) == ["1/1/2", "2/1/3", "2/2/4", "3/1/4", "3/2/4"]
+    assert [c["concurrency"] for c in summary["choices"]] == [1, 2]
+    checked = [p for p in summary["check"] if p["kind"] == "checked"]
+    assert checked and {p["concurrency"] for p in checked} == {1, 2}
+    for point in summary["check"]:
+        assert point["measured_tok_s"] > 0
+        assert point["error"] == (point["predicted_tok_s"] - point["measured_tok_s"]) / point["measured_tok_s"]
+    for choice in summary["choices"]:
+        assert choice["check"].startswith(("measured", "prediction off", "not measured"))
+    folder = Path(stage["dir"])
+    assert (folder / "plan.md").read_text().startswith("# Serving plan: deploybench")
+    assert json.loads((folder / "plan.json").read_text())["launch"]["load"] == 2
+    assert (folder / "plan_frontier.png").stat().st_size > 10_000
+    client = MlflowClient(f"sqlite:///{workdir / 'runs' / 'mlflow.db'}")
+    mlflow_run = client.get_run(stage["mlflow_run_id"])
+    assert "c1.tok_s_predicted" in mlflow_run.data.metrics and "held_out_mae" in mlflow_run.data.metrics
+    artifacts = {a.path for top in ("plan", "plots") for a in client.list_artifacts(mlflow_run.info.run_id, top)}
+    assert {"plan/plan.json", "plan/predictions.json", "plots/plan_frontier.png"} <= artifacts
+    assert reference_servers_alive(str(trained_run)) == []

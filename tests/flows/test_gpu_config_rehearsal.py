@@ -136,7 +136,9 @@ def rehearsal_config(shipped: Path, tmp_path: Path, sshd, python: Path, model: P
                          "checkpoint_every": 2, "eval_every": 4, "log_every": 1})
     if data["hidden_states"] == "stream":
         cfg["train"]["epochs"] = 2
-    cfg["train"].pop("draft", None)  # the draft takes the tiny target's shape
+    draft = cfg["train"].pop("draft", None) or {}  # the draft takes the tiny target's shape ...
+    if draft.get("architecture") == "deepseek_mla":  # ... and, the tiny Llama having none, small MLA dims
+        cfg["train"]["draft"] = {**draft, **TINY_MLA_DIMS}
     cfg["deploy"].update({"server": "reference", "port": free_port(), "model_path": str(model), "tp": 1,
                           "startup_timeout_s": 240})
     cfg["deploy"].pop("mem_fraction_static", None)
@@ -150,6 +152,9 @@ def rehearsal_config(shipped: Path, tmp_path: Path, sshd, python: Path, model: P
 
 
 SHIPPED = ["llama-3.1-8b.yaml", "kimi-k2.5-int4.yaml", "llama-3.1-70b.yaml"]
+# MLA dims for a draft on the tiny target (hidden 32, 2 heads), where Kimi's come from its config; v as wide as nope
+TINY_MLA_DIMS = {"q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
+DRAFT_CLASSES = {"llama": "LlamaForCausalLMEagle3", "deepseek_mla": "Eagle3DeepseekV2ForCausalLM"}
 
 
 def three_devices(target: Path) -> str:
@@ -230,6 +235,14 @@ def test_the_shipped_gpu_config_runs_every_stage_where_the_cluster_would(
     assert not [p for p in crossed if p.endswith("samples.jsonl") or p.startswith(str(model)) and p.endswith(".safetensors")], crossed
     assert {Path(p).name for p in transfers.downloads if p.startswith(str(model))} >= {"config.json", "tokenizer.json"}
     assert not [p for p in transfers.uploads if "/dataset/" in p], transfers.uploads  # training did not re-upload it
+
+    # the draft the shipped config names is the one trained, exported and served
+    architecture = (shipped_cfg["train"].get("draft") or {}).get("architecture", "llama")
+    exported = json.loads((run_dir / "export_checkpoint" / "attempt-1" / "summary.json").read_text())
+    sglang_config = json.loads((run_dir / exported["outputs"]["sglang_dir"] / "config.json").read_text())
+    assert sglang_config["architectures"] == [DRAFT_CLASSES[architecture]]
+    checkpoint = next(run_dir.glob("train_draft/attempt-*/draft/checkpoints/step_*/draft_config.json"))
+    assert json.loads(checkpoint.read_text())["architecture"] == architecture
 
     # export, deploy and benchmark: the draft served with the chain setting on the host
     bench = stages["run_benchmark"]["summary"]

@@ -50,6 +50,8 @@ export:
   formats: [sglang]
   dtype: float32
 """
+# max_new_tokens within data.max_length (checked before any stage); the cancel test brings its own bench.
+BENCH = "bench: {max_new_tokens: 16}\n"
 SERVER_MARK = "prefect.server.api.server:create_app"
 ML_STAGES = "check_environment,generate_data,train_draft,export_checkpoint"
 
@@ -61,7 +63,7 @@ def workdir(tmp_path_factory) -> Path:
 
 def write_config(workdir: Path, max_steps: int) -> Path:
     path = workdir / f"interrupts-{max_steps}.yaml"
-    path.write_text(CONFIG.format(target=TEST_TARGET_YAML, runs=workdir / "runs", max_steps=max_steps))
+    path.write_text(CONFIG.format(target=TEST_TARGET_YAML, runs=workdir / "runs", max_steps=max_steps) + BENCH)
     return path
 
 
@@ -359,7 +361,7 @@ def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
     config.write_text(FAULTS_CONFIG.format(runs=runs, target=TEST_TARGET_YAML, samples=2000, dead_port=free_port()))
     log = workdir / "faults-sigterm.log"
     proc = start_cli(["run", str(config), "--stages", "check_environment,generate_data"], log)
-    wait_for_line(log, r"Task run 'generate_data-\w+' - tiny target", proc)  # ~30 s of the stage left
+    wait_for_line(log, r"Task run 'generate_data[^']*' - tiny target", proc)  # ~30 s of the stage left
     run_dir = next((runs / "faults").iterdir())
     record_test_server(run_dir, "unreachable", host="gone-host", gone=True)  # its host is what matters
     record_test_server(run_dir, "gone", gone=True)

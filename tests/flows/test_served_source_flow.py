@@ -13,7 +13,7 @@ import yaml
 
 from eagle3.config import TinyTargetConfig
 from eagle3.data.tiny_target import build_tiny_target
-from eagle3.serving.sglang_client import render_prompts
+from eagle3.serving.bench_prompts import render_prompts
 from flows.experiment import eagle3_experiment
 from tests.eagle3.served_traffic import build_random_draft, post, reference_server, stopping_sampling
 from tests.helpers import TEST_TARGET_YAML

@@ -119,6 +119,30 @@ def test_two_ranks_and_two_nodes_match_one_process(data_run, workdir, sshd):
     assert launcher_processes(remote) == []
 
 
+def test_a_node_over_ssh_is_sampled_under_its_name_and_its_run_names_the_data(data_run, workdir, sshd, monkeypatch):
+    """tracking.log_system_metrics on: the training run gets node-a's system metrics over SSH as system/node-a/*
+    beside this machine's system/*, the loss relayed from node 0 (handed off the relay loop) at every step, and
+    the data stage's output as its dataset input, like the parent run."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    config = write_config(workdir, sshd, "sampled", nodes="[node-a]", devices=1, batch=4)
+    config.write_text(config.read_text() + "tracking: {log_system_metrics: true}\n")
+    stage = train(config, data_run)
+    assert stage["status"] == "completed"
+    manifest = RunDirectory.open(data_run).manifest
+    client = MlflowClient(manifest["mlflow"]["tracking_uri"])
+    run_id = stage["attempts"][-1]["mlflow_run_id"]
+    metrics = client.get_run(run_id).data.metrics
+    assert {"system/node-a/cpu_utilization_percentage", "system/node-a/system_memory_usage_megabytes",
+            "system/cpu_utilization_percentage"} <= set(metrics), sorted(metrics)
+    assert [m.step for m in sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)] == [1, 2, 3, 4]
+    digest = manifest["stages"]["generate_data"]["attempts"][-1]["output_digest"]
+    for run in (run_id, manifest["mlflow"]["parent_run_id"]):
+        (data_input,) = client.get_run(run).inputs.dataset_inputs
+        assert (data_input.dataset.name, data_input.dataset.digest) == ("prompts:builtin", digest)
+
+
 def test_unknown_node_is_a_config_error(workdir, sshd):
     from tasks.config.load import ConfigError, load_experiment
 

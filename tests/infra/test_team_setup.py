@@ -60,7 +60,8 @@ def test_every_deployment_of_prefect_yaml_is_registered_with_its_pool_and_schema
     for declared in read_deployments(PREFECT_FILE):
         if declared.name == "nightly" and not deployed["nightly_deployed"]:
             continue
-        flow = "eagle3-nightly" if declared.name == "nightly" else "eagle3-experiment"
+        flow = {"nightly": "eagle3-nightly", "watch": "eagle3-watch", "sweep": "eagle3-sweep"}.get(declared.name,
+                                                                                                  "eagle3-experiment")
         found = deployment(api, declared.name, flow)
         assert (found["work_pool_name"], found["work_queue_name"]) == (declared.pool, declared.queue)
         assert found["enforce_parameter_schema"] is True

@@ -10,7 +10,9 @@ room: the shards on disk plus this one must fit `data.stream.disk_budget_gb`. Sh
 has consumed that lie behind rank 0's last checkpoint are deleted at once (never read again);
 consumed shards ahead of it are kept while the budget allows -- a training side killed before
 its next checkpoint then resumes without recapturing them -- and evicted, latest first, when
-the room is needed. When the budget is full of shards training has not consumed, it waits.
+the room is needed. When the budget is full of shards training has not consumed, it waits. A served
+night's train samples name their rows in the capture cache (`cached`, eagle3.data.served_capture): their
+shards are copied from there, no forward.
 
 Resume: a shard is written under a hidden temp name, renamed when complete, then listed in the
 manifest; a restarted capture side keeps the listed shards whose files still have their size
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import DataConfig
+from eagle3.data.cache_rows import shard_from_cache
 from eagle3.data.capture import FeatureExtractor
 from eagle3.data.disk import budget_problem
 from eagle3.data.dump import capture_shard
@@ -66,8 +69,10 @@ class StreamStopped(RuntimeError):
 class _Figures:
     """What this session captured, for the summary: shards, tokens and capture time per epoch, the disk peak."""
 
-    captured: int = 0
+    captured: int = 0  # shards written this session (captured or copied from the cache)
     reused: int = 0
+    from_cache: int = 0  # shards copied from the served capture cache (no forward)
+    tokens_from_cache: int = 0
     high_water: int = 0
     epochs: dict[int, dict] = field(default_factory=dict)
 
@@ -84,7 +89,9 @@ class _Figures:
     def summary(self) -> dict:
         tokens = sum(e["tokens"] for e in self.epochs.values())
         seconds = sum(e["capture_s"] for e in self.epochs.values())
-        return {"shards_captured": self.captured, "shards_reused": self.reused, "tokens_captured": tokens,
+        return {"shards_captured": self.captured - self.from_cache, "shards_reused": self.reused,
+                "tokens_captured": tokens,
+                "shards_from_cache": self.from_cache, "tokens_from_cache": self.tokens_from_cache,
                 "capture_s": seconds, "capture_tok_s": tokens / seconds if seconds else None,
                 "disk_high_water_bytes": self.high_water,
                 "epochs": [{"epoch": e, **v} for e, v in sorted(self.epochs.items())]}
@@ -255,9 +262,14 @@ def _produce(shelf: _Shelf, extractor: FeatureExtractor, train_samples: list[dic
             first, end = stream.slots_of(shard)
             members = [train_samples[i] for i in stream.plan.samples_of_slots(first, end)]
             began = time.perf_counter()
-            tensors = capture_shard(extractor, members, data_cfg.capture_batch_size, dtype)
+            if all("cached" in s for s in members):  # served nights: the data stage captured them into the cache
+                tensors = shard_from_cache(members)
+                figures.from_cache += 1
+                figures.tokens_from_cache += sum(len(s["input_ids"]) for s in members)
+            else:
+                tensors = capture_shard(extractor, members, data_cfg.capture_batch_size, dtype)
+                figures.add(stream, first, [len(s["input_ids"]) for s in members], time.perf_counter() - began)
             tensors["slots"] = torch.tensor([first, end], dtype=torch.long)
-            figures.add(stream, first, [len(s["input_ids"]) for s in members], time.perf_counter() - began)
             _finish(shelf, pending, figures)
             shelf.make_room(shard, safetensors_bytes(tensors, metadata), start, poll_s)
             tokens = int(tensors["lengths"].sum())
@@ -269,7 +281,8 @@ def _produce(shelf: _Shelf, extractor: FeatureExtractor, train_samples: list[dic
     _wait_until_consumed(shelf, start, poll_s)
     figures.high_water = shelf.peak
     summary = figures.summary() | {"budget_bytes": shelf.budget, "shards": stream.num_shards}
-    log(f"stream: done; captured {figures.captured} shards ({summary['tokens_captured']} tokens), kept "
+    log(f"stream: done; captured {summary['shards_captured']} shards ({summary['tokens_captured']} tokens), copied "
+        f"{figures.from_cache} from the capture cache ({figures.tokens_from_cache} tokens), kept "
         f"{figures.reused} from before; disk peak {figures.high_water / 1e9:.3f} GB of {shelf.budget / 1e9:.3f} GB")
     return summary
 

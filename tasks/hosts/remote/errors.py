@@ -16,9 +16,13 @@ class RemoteError(RuntimeError):
 class HostKeyError(RemoteError):
     """The host's key is not in known_hosts, or differs from the one recorded there."""
 
+    one_line_in_logs = True  # a host that refuses: expected, its message says it all (tasks.log)
+
 
 class ConnectError(RemoteError):
     """No SSH connection after the bounded retries (or authentication was refused)."""
+
+    one_line_in_logs = True  # a host that refuses: expected, its message says it all (tasks.log)
 
 
 class ConnectionLost(RemoteError):

@@ -173,6 +173,14 @@ class _ExecutorBase(_VerifiedTransfers):
         return self.run([self.python, "-c", _PORT_PY, str(int(port))], check=False, log_output=False,
                         timeout=60).exit_status == MISSING
 
+    def first_free_port(self, port: int, tries: int = 200) -> int:
+        """The first port from `port` on that nothing listens on at this host (another run's servers or
+        torchrun store may). Risk: free when asked is not held; the caller binds it within seconds."""
+        for candidate in range(port, min(port + tries, 65536)):
+            if not self.port_in_use(candidate):
+                return candidate
+        raise RuntimeError(f"no free port in {port}..{min(port + tries, 65536) - 1} on {self.name}")
+
     # -- files
     @functools.cached_property
     def home(self) -> str:

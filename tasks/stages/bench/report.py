@@ -154,7 +154,8 @@ def log_bench_report(ctx, cfg, rows: list[dict], offline: dict, verdict: dict, m
     run.log_dict({"rows": [{k: v for k, v in r.items() if k != "output_ids"} for r in rows], "offline": offline},
                  "bench/results.json")
     table = {column: [c[column] for c in comparison_rows(rows, offline)] for column in COMPARISON_COLUMNS}
-    figure = benchmark_figure(rows, offline)
+    figure = benchmark_figure(rows, offline, verdict)
+    figure.savefig(ctx.stage_dir / "benchmark.png")  # in the run folder too, not only in MLflow
     parent = _parent_run(ctx)
     for target in (run, parent):
         if target is None:
@@ -222,23 +223,29 @@ def cumulative(values: list[float]) -> list[float]:
     return out
 
 
-def benchmark_figure(rows: list[dict], offline: dict):
-    """Three panels, each titled with its units: throughput, cumulative acceptance by draft position, accept length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def benchmark_figure(rows: list[dict], offline: dict, verdict: dict | None = None):
+    """Three stacked panels drawn for MLflow's preview width (`eagle3.figures`), each titled with its units:
+    throughput (the baseline a bar of its own, each bar with its tok/s and speedup), cumulative acceptance by draft
+    position, accept length online vs offline (values on the bars); the verdict as the figure's title."""
+    from eagle3.figures import preview_figure
 
     level = rows[0]["concurrency"] if rows else 1
     first = [r for r in rows if r["concurrency"] == level]
     baseline = next((r for r in first if not r["speculative"]), None)
     spec = [r for r in first if r["speculative"]]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = preview_figure(3)
     _throughput_panel(axes[0], spec, baseline, level)
     _acceptance_panel(axes[1], spec, offline)
     _accept_length_panel(axes[2], spec, offline)
-    fig.tight_layout()
+    if verdict and verdict.get("summary"):
+        fig.suptitle(_wrapped(f"verdict: {verdict['summary']}", 70), fontweight="bold")
     return fig
+
+
+def _wrapped(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)[:2])
 
 
 def _close(figure) -> None:
@@ -248,15 +255,16 @@ def _close(figure) -> None:
 
 
 def _throughput_panel(ax, spec: list[dict], baseline: dict | None, level: int) -> None:
-    names = [short_setting(r["setting"]) for r in spec]
-    ax.bar(names, [r["tok_s_median"] or 0 for r in spec], color="C0")
-    if baseline and baseline["tok_s_median"]:
-        ax.axhline(baseline["tok_s_median"], color="red", linestyle="--",
-                   label=f"baseline {shown(baseline['tok_s_median'], 'tok_s')} tok/s")
-        ax.legend(fontsize=8)
-    ax.set(title=f"Throughput by setting (median output tok/s, concurrency {level})", ylabel="output tokens / s",
-           xlabel="setting (num_steps/eagle_topk/num_draft_tokens)")
-    ax.title.set_fontsize(10)
+    bars = ([baseline] if baseline and baseline["tok_s_median"] else []) + spec
+    base = baseline["tok_s_median"] if baseline and baseline["tok_s_median"] else None
+    values = [r["tok_s_median"] or 0 for r in bars]
+    drawn = ax.bar([short_setting(r["setting"]) for r in bars], values,
+                   color=["0.6" if not r["speculative"] else "C0" for r in bars])
+    labels = [f"{shown(v, 'tok_s')}" + (f"\n{shown(v / base, 'speedup')}" if base and r["speculative"] else "")
+              for r, v in zip(bars, values)]
+    ax.bar_label(drawn, labels, padding=2)
+    ax.set(title=f"Throughput by setting (median output tok/s, concurrency {level})", ylabel="output tok/s",
+           ylim=(0, max(values + [1.0]) * 1.4))
 
 
 def _acceptance_panel(ax, spec: list[dict], offline: dict) -> None:
@@ -275,9 +283,8 @@ def _acceptance_panel(ax, spec: list[dict], offline: dict) -> None:
     if depth:
         ax.set_xticks(list(range(1, depth + 1)))
         ax.set_xlim(0.5, depth + 0.5)
-    ax.title.set_fontsize(10)
     if ax.lines:
-        ax.legend(fontsize=7)
+        ax.legend()
 
 
 def _accept_length_panel(ax, spec: list[dict], offline: dict) -> None:
@@ -285,13 +292,14 @@ def _accept_length_panel(ax, spec: list[dict], offline: dict) -> None:
     xs = list(range(len(spec)))
     online = [r["decode_accept_length"] or 0 for r in spec]
     expected = [per_setting.get(r["setting"], {}).get("expected_accept_length") or 0 for r in spec]
-    ax.bar([x - 0.2 for x in xs], online, width=0.4, label="online (server)")
-    ax.bar([x + 0.2 for x in xs], expected, width=0.4, label="offline (simulated at the setting's depth)")
+    for shift, values, label in ((-0.2, online, "online (server)"),
+                                 (0.2, expected, "offline (simulated at the setting's depth)")):
+        drawn = ax.bar([x + shift for x in xs], values, width=0.4, label=label)
+        ax.bar_label(drawn, [shown(v, "accept_length") if v else "-" for v in values], padding=2)
     ax.set_xticks(xs, [short_setting(r["setting"]) for r in spec])
-    ax.set(title="Accept length, online vs offline (tokens per verify step)", ylabel="tokens per verify step",
-           ylim=(0, max(online + expected + [1.0]) * 1.3))
-    ax.title.set_fontsize(10)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set(title="Accept length, online vs offline (tokens per verify step)", ylabel="tokens / verify step",
+           ylim=(0, max(online + expected + [1.0]) * 1.45))
+    ax.legend(loc="upper left", ncol=2)
 
 
 def _depth(row: dict) -> int:

@@ -24,19 +24,17 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from eagle3.serving.bench_prompts import builtin_prompts, heldout_overlap, load_prompts_jsonl, render_prompts
 from eagle3.serving.sglang_client import (
     BenchResult,
     SGLangClient,
-    builtin_prompts,
     compare_client_server,
-    heldout_overlap,
-    load_prompts_jsonl,
-    render_prompts,
     summarize_decode_log,
 )
 from eagle3.serving.sglang_client import (
     run_benchmark as run_rounds,
 )
+from eagle3.serving.step_costs import measure_step_costs
 from tasks.config.schema import ExperimentConfig, SpeculativeConfig
 from tasks.hosts.launch import launch_args
 from tasks.hosts.servers import (
@@ -50,6 +48,7 @@ from tasks.hosts.servers import (
 )
 from tasks.log import logger
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
 from tasks.stages.bench.diagnose import diagnose, expected_accept_length
 from tasks.stages.bench.report import log_bench_report, rounded, shown
 from tasks.stages.deploy import (
@@ -150,6 +149,7 @@ def setting_row(label: str, handle: ServerHandle, result: BenchResult, decode_lo
         "log_accept_len": decode_log.get("accept_len_mean"), "log_gen_throughput": decode_log.get("gen_throughput_mean"),
         "log_decode_lines": decode_log.get("lines"),
         "accepted_by_position": accepted_by_position(result, (handle.effective or {}).get("num_steps")),
+        "step_costs": measure_step_costs(result, handle.effective if handle.speculative else None),
         "output_ids": [r.output_ids for r in result.runs[-1].requests] if result.runs else [],
         "disagreements": compare_client_server(result) if handle.speculative else [],
         "verify_s": _verify_seconds(result),
@@ -320,6 +320,7 @@ def reference_accept_length(target_dir: Path, draft_dir: Path, prompt_ids: list[
 
 
 @task(name="run_benchmark", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     deployed = ctx.upstream["deploy_server"]
     exported = ctx.upstream.get("export_checkpoint", {}).get("outputs", {})
@@ -345,7 +346,8 @@ def run_benchmark(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     metrics = headline_metrics(rows, offline, verdict)
     log_bench_report(ctx, cfg, rows, offline, verdict, metrics)
     summary = {"rows": [_without_ids(r) for r in rows], "offline": offline, "verdict": verdict, "requests": requests,
-               "metrics": metrics, "outputs": {"report": str(ctx.stage_dir / "bench.md")}}
+               "metrics": metrics, "outputs": {"report": str(ctx.stage_dir / "bench.md")},
+               "inputs": {"endpoint": endpoint, "prompts": prompts}}  # what plan_serving's checks send again
     ctx.write_json("bench.json", summary)
     enforce_min_speedup(cfg, ctx, summary)
     return summary

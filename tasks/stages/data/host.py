@@ -39,6 +39,7 @@ from tasks.log import logger
 from tasks.rundir import digest_json, digest_paths
 from tasks.runner.context import StageContext
 from tasks.stages.data.regeneration import regeneration_servers
+from tasks.stages.data.served import with_cache_folder
 from tasks.stages.target import resolve_target_dir
 
 # The target's files a card carries: everything but the weights (a remote-code tokenizer needs its .py).
@@ -57,7 +58,7 @@ def generate_on_host(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         root = _job_root(ctx, workdir)
         target = _host_target(cfg, ctx, executor, workdir)
         dataset = posixpath.join(root, "dataset")
-        config = _upload_config(cfg, ctx, executor, root, target)
+        config = _upload_config(cfg, ctx, executor, root, target, workdir)
         command = [host.python, "-m", "eagle3.data.generate", "--target-dir", target, "--out-dir", dataset,
                    "--config", config]
         env = _job_env(cfg)
@@ -102,10 +103,12 @@ def _host_target(cfg: ExperimentConfig, ctx: StageContext, executor: Executor, w
     return remote
 
 
-def _upload_config(cfg: ExperimentConfig, ctx: StageContext, executor: Executor, root: str, target: str) -> str:
-    """The target and data sections as the host's command reads them (the API key travels in its env)."""
+def _upload_config(cfg: ExperimentConfig, ctx: StageContext, executor: Executor, root: str, target: str,
+                   workdir: str) -> str:
+    """The target and data sections as the host's command reads them (the API key travels in its env; a served
+    source's capture cache defaults to the host's workdir)."""
     target_cfg = cfg.target.model_copy(update={"kind": "hf", "model_path": target})
-    data = json.loads(cfg.data.model_dump_json(exclude={"regenerate": {"api_key"}}))
+    data = json.loads(with_cache_folder(cfg.data, workdir).model_dump_json(exclude={"regenerate": {"api_key"}}))
     local = ctx.stage_dir / "host_data_config.json"
     local.write_text(json.dumps({"target": json.loads(target_cfg.model_dump_json()), "data": data}, indent=2))
     remote = posixpath.join(root, local.name)
@@ -160,9 +163,11 @@ def _bring_back(cfg: ExperimentConfig, ctx: StageContext, executor: Executor, ta
     local.mkdir(parents=True, exist_ok=True)
     executor.download_file(posixpath.join(dataset, SUMMARY_FILE), local / SUMMARY_FILE)
     executor.download_file(posixpath.join(dataset, SAMPLES_META), local / SAMPLES_META)
-    executor.download_dir(posixpath.join(dataset, "vocab"), local / "vocab")
     summary = json.loads((local / SUMMARY_FILE).read_text())
-    hashed = [local / SAMPLES_META, local / "vocab"]
+    hashed = [local / SAMPLES_META]
+    if summary["paths"].get("vocab"):  # none on a served night with no new traffic
+        executor.download_dir(posixpath.join(dataset, "vocab"), local / "vocab")
+        hashed.append(local / "vocab")
     if summary["paths"].get("hidden_states"):
         (local / "hidden_states").mkdir(exist_ok=True)
         executor.download_file(posixpath.join(dataset, "hidden_states", MANIFEST), local / "hidden_states" / MANIFEST)
@@ -194,9 +199,8 @@ def _card_file(name: str, size: int) -> bool:
 
 def _result(cfg: ExperimentConfig, summary: dict, local: Path, card: Path, target: str, dataset: str,
             digest: str) -> dict:
-    keys = ("num_train", "num_val", "num_samples", "tokens", "assistant_tokens", "loss_mask_fraction",
-            "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
-    metrics = {k: summary[k] for k in keys if isinstance(summary.get(k), (int, float))}
+    keys = ("loss_mask_fraction", "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
+    metrics = {k: summary[k] for k in keys if isinstance(summary.get(k), (int, float))} | split_counts(summary)
     coverage = summary.get("vocab", {}).get("coverage")
     if isinstance(coverage, (int, float)):
         metrics["draft_vocab_coverage"] = coverage
@@ -211,3 +215,17 @@ def _result(cfg: ExperimentConfig, summary: dict, local: Path, card: Path, targe
         "output_digest": digest,
     }
 
+
+def split_counts(summary: dict) -> dict[str, float]:
+    """Samples and tokens per split and in all (`num_samples`: what `eagleops compare` shows), from the summary's
+    `{"train": N, "validation": M}` counts; a count the summary does not hold is left out."""
+    samples, tokens = summary.get("num_samples"), summary.get("num_tokens")
+    counts: dict[str, float] = {}
+    if isinstance(samples, dict) and all(isinstance(v, int) for v in samples.values()):
+        counts |= {"num_train": samples.get("train", 0), "num_val": samples.get("validation", 0),
+                   "num_samples": sum(samples.values())}
+    if isinstance(tokens, dict) and all(isinstance(v, int) for v in tokens.values()):
+        counts["tokens"] = sum(tokens.values())
+    if isinstance(summary.get("num_assistant_tokens"), int):
+        counts["assistant_tokens"] = summary["num_assistant_tokens"]
+    return counts

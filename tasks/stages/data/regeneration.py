@@ -36,7 +36,7 @@ def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: P
         placement = target_placement(cfg, executor, host, ctx, target_dir)
         port = cfg.deploy.port
         for k in range(wanted.servers):
-            port = next_free_port(executor, port)
+            port = executor.first_free_port(port)  # a killed run's servers may hold it
             handles.append(launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
                                   spec=None, predicted=None))
             port += 1
@@ -70,14 +70,6 @@ def target_placement(cfg: ExperimentConfig, executor: Executor, host: HostConfig
         logger().info(f"[{executor.name}] {target_dir.name} -> {model}: {len(results)} files, "
                       f"{sum(r.bytes_sent for r in results) / 1e6:.1f} MB sent")
     return Placement(executor, host, workdir, model, "")
-
-
-def next_free_port(executor: Executor, port: int, tries: int = 200) -> int:
-    """The first port from `port` on that nothing listens on at the host (a killed run's servers may)."""
-    for candidate in range(port, min(port + tries, 65536)):
-        if not executor.port_in_use(candidate):
-            return candidate
-    raise RuntimeError(f"no free port in {port}..{port + tries - 1} on {executor.name} for a regeneration server")
 
 
 def server_config(cfg: ExperimentConfig, port: int, k: int) -> ExperimentConfig:

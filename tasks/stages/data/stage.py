@@ -25,26 +25,30 @@ from tasks.config.schema import ExperimentConfig
 from tasks.log import logger
 from tasks.rundir import digest_paths
 from tasks.runner.context import StageContext
-from tasks.stages.data.host import generate_on_host
+from tasks.runner.flow_errors import redacted_failures
+from tasks.stages.data.host import generate_on_host, split_counts
 from tasks.stages.data.regeneration import regeneration_servers
+from tasks.stages.data.served import local_workdir, record_night, with_cache_folder
 from tasks.stages.target import resolve_target_dir
 
 
 @task(name="generate_data", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     if cfg.data.host != "local":  # where the target is: the hidden states are written and stay there
-        return generate_on_host(cfg, ctx)
+        result = generate_on_host(cfg, ctx)
+        return result | record_night(ctx, result)
     target_dir = resolve_target_dir(cfg, ctx)
     dataset_dir = ctx.stage_dir / "dataset"
-    summary = generate_dataset(target_dir, cfg.target, cfg.data, dataset_dir, on_progress=ctx.progress(),
+    data = with_cache_folder(cfg.data, local_workdir(cfg))  # data.source served: the capture cache of every night
+    summary = generate_dataset(target_dir, cfg.target, data, dataset_dir, on_progress=ctx.progress(),
                                log=logger().info, open_endpoints=lambda: regeneration_servers(cfg, ctx, target_dir))
     _log_to_mlflow(ctx, target_dir, summary)
     metrics = {
         key: summary[key]
-        for key in ("num_train", "num_val", "num_samples", "tokens", "assistant_tokens", "loss_mask_fraction",
-                    "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
+        for key in ("loss_mask_fraction", "hidden_states_bytes", "bytes_written", "num_dropped", "num_failed")
         if isinstance(summary.get(key), (int, float))
-    }
+    } | split_counts(summary)
     vocab = summary.get("vocab", {})
     if isinstance(vocab.get("coverage"), (int, float)):
         metrics["draft_vocab_coverage"] = vocab["coverage"]
@@ -54,6 +58,7 @@ def generate_data(cfg: ExperimentConfig, ctx: StageContext) -> dict:
         "metrics": metrics,
         "outputs": {"target_dir": str(target_dir), "dataset_dir": str(dataset_dir), **{k: v for k, v in summary["paths"].items() if v}},
         "output_digest": dataset_digest(target_dir, summary),
+        **record_night(ctx, summary),
     }
 
 
@@ -63,7 +68,9 @@ def dataset_digest(target_dir: Path, summary: dict) -> str:
     its config.json and the samples' meta, whose fingerprint names the target by its config, weight
     and tokenizer files -- never by where it lies, so a moved run folder or runs root keeps the digest."""
     paths = summary["paths"]
-    hashed = [paths["samples"], Path(paths["samples"]).with_name(SAMPLES_META), paths["vocab"], target_dir / "config.json"]
+    hashed = [paths["samples"], Path(paths["samples"]).with_name(SAMPLES_META), target_dir / "config.json"]
+    if paths.get("vocab"):  # none on a served night with no new traffic
+        hashed.append(paths["vocab"])
     if paths.get("hidden_states"):
         hashed.append(Path(paths["hidden_states"]) / "manifest.json")
     return digest_paths(hashed)
@@ -82,8 +89,8 @@ def _log_to_mlflow(ctx: StageContext, target_dir: Path, summary: dict) -> None:
         **_served_params(summary),
     })
     run.log_dict(summary, "data/summary.json")  # with data.source: served, its full figures (summary["served"])
-    vocab_dir = Path(summary["paths"]["vocab"])
-    if vocab_dir.is_dir():
+    vocab_dir = summary["paths"].get("vocab")  # none on a served night with no new traffic
+    if vocab_dir and Path(vocab_dir).is_dir():
         run.log_artifact(vocab_dir, "vocab")
     eval_file = target_dir / "eval.json"
     if eval_file.is_file():
@@ -95,6 +102,10 @@ def _served_params(summary: dict) -> dict:
     served = summary.get("served")
     if not served:
         return {"source": summary.get("source", "prompts")}
+    cache = served.get("cache") or {}
     return {"source": "served", "served.dumps": served["dumps"], "served.since": str(served["window"]["since"]),
             "served.until": str(served["window"]["until"]),
+            **{f"served.{k}": cache[k] for k in ("dir", "replay_fraction", "replay_seed", "min_new_samples")
+               if k in cache},
             "served.sampling_params": json.dumps(served["sampling_params"])[:6000]}  # MLflow's param length limit
+

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+import time
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +44,9 @@ from tasks.hosts.teardown import teardown_run
 from tasks.log import logger
 from tasks.rundir import RunDirectory, write_json_atomic
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
+from tasks.runner.gpu_hours import attempt_gpu_hours
+from tasks.runner.host_slots import holding_gpu_hosts
 from tasks.stages.bench.stage import bench_one, bench_prompts, request_inputs
 from tasks.stages.deploy import (
     check_host_environment,
@@ -50,9 +54,11 @@ from tasks.stages.deploy import (
     place,
     served_model_planned,
 )
+from tasks.stages.gate.gpu_report import GATE_STAGE, record_night_gpu_hours
 from tasks.stages.gate.noise import relative_gain
 from tasks.stages.target import recorded_target_dir
 from tasks.tracking.journal import journal_path
+from tasks.tracking.outage import is_offline, is_outage, short_reason
 from tasks.tracking.registry import (
     DOWNLOAD_MARKER,
     GATE_TAG,
@@ -60,8 +66,9 @@ from tasks.tracking.registry import (
     recorded_decision,
 )
 from tasks.tracking.run_logger import RunLogger, start_child_run
+from tasks.tracking.views import tracking_uri_for
+from tasks.watch.events import emit_champion_decision
 
-GATE_STAGE = "nightly_gate"
 
 
 # ------------------------------------------------------------------ the training config
@@ -315,6 +322,7 @@ def draft_identity(draft_dir: str | Path) -> dict[str, str]:
 
 
 @task(name="champion_gate", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def champion_gate(cfg: ExperimentConfig, experiment: dict[str, Any], champion: dict | None, challenger: str,
                   flow_run_id: str) -> dict[str, Any]:
     """Measure champion and challenger interleaved, decide; {promote, reason, comparisons, rows, rounds, evidence,
@@ -323,7 +331,7 @@ def champion_gate(cfg: ExperimentConfig, experiment: dict[str, Any], champion: d
     A challenger version that carries a decision already (a resumed nightly) is not measured again:
     its recorded decision is returned, for promote_or_keep to re-apply idempotently.
     """
-    recorded = recorded_decision(cfg, challenger)
+    recorded = _recorded_decision(cfg, experiment, challenger)
     if recorded is not None:
         reason = recorded[GATE_TAG]
         logger().info(f"version {challenger} was decided before ({reason}); not measured again")
@@ -337,20 +345,46 @@ def champion_gate(cfg: ExperimentConfig, experiment: dict[str, Any], champion: d
         drafts[labels["champion"]] = champion["dir"]
     drafts[labels["challenger"]] = experiment["results"]["export_checkpoint"]["outputs"]["sglang_dir"]
     try:
-        rounds = measure_drafts(cfg, ctx, drafts)
+        with holding_gpu_hosts(cfg, GATE_STAGE, flow_run_id):  # it serves on deploy.host, as the deploy stage does
+            start, started_at = time.monotonic(), time.time()
+            rounds = measure_drafts(cfg, ctx, drafts)
     except BaseException:
         ctx.mlflow.finish("FAILED")
         raise
+    gpu = attempt_gpu_hours(cfg, ctx.run_dir, GATE_STAGE, started_at, time.monotonic() - start)  # its servers
     rows = {label: pooled_rows(measured) for label, measured in rounds.items()}
     identity = {label: draft_identity(folder) for label, folder in drafts.items()}
     same_config = champion is not None and identity[labels["champion"]]["config"] == identity[labels["challenger"]]["config"]
     decision = decide(cfg.nightly, rows[labels["challenger"]], rows.get(labels.get("champion", "")), same_config)
     evidence = gate_evidence(cfg.nightly, labels, rounds, decision, identity)
+    evidence["band"] = band_evidence(rows[labels["challenger"]])
     lineage = lineage_tags(cfg, ctx.run_dir, ctx.mlflow_run_id, _init_from(ctx.run_dir)) | evidence_tags(evidence)
     gate = {**decision, "rows": rows, "rounds": rounds, "labels": labels, "evidence": evidence, "lineage": lineage,
-            "bench_run_id": ctx.mlflow_run_id}
+            "bench_run_id": ctx.mlflow_run_id, "gpu_hours": gpu["gpu_hours"], "gpu_hours_by_host": gpu["gpu_hours_by_host"],
+            "gpus": gpu["gpus"]}
     _log_gate(ctx, gate)
     return gate
+
+
+def _recorded_decision(cfg: ExperimentConfig, experiment: dict[str, Any], challenger: str) -> dict[str, str] | None:
+    """The decision on `challenger` the registry holds; while the registry does not answer, the one this run
+    folder recorded (a resumed nightly whose gate ran in the outage), else None: the gate measures."""
+    uri = tracking_uri_for(cfg)
+    if not is_offline(uri):
+        try:
+            return recorded_decision(cfg, challenger)
+        except Exception as err:
+            if not is_outage(err):
+                raise
+            logger().warning(f"the MLflow registry at {redact(uri)} does not answer ({short_reason(err)}): "
+                             "the gate looks for an earlier decision on this challenger in the run folder")
+    recorded = Path(experiment["run_dir"]) / GATE_STAGE / "gate.json"
+    if not recorded.is_file():
+        return None
+    gate = json.loads(recorded.read_text())
+    if gate.get("labels", {}).get("challenger") != f"challenger v{challenger}":
+        return None
+    return {GATE_TAG: gate["reason"], "eagleops.benchmark_run_id": gate.get("bench_run_id", "")}
 
 
 def gate_evidence(nightly: NightlyConfig, labels: dict[str, str], rounds: dict[str, list], decision: dict,
@@ -369,6 +403,14 @@ def gate_evidence(nightly: NightlyConfig, labels: dict[str, str], rounds: dict[s
             "identical_weights": len(set(weights.values())) == 1 and len(weights) > 1}
 
 
+def band_evidence(rows: list[dict]) -> dict[str, Any]:
+    """What the production watch holds this draft to once it is champion (tasks/watch/rules.py, the band): per
+    concurrency level each round's accept length, the acceptance by position and the settings it was served at."""
+    return {"levels": [{"concurrency": row["concurrency"], "accept_length_samples": _rounded(row["accept_length_samples"]),
+                        "accepted_by_position": _rounded(list(row.get("accepted_by_position") or [])),
+                        "effective": row.get("effective") or {}} for row in rows]}
+
+
 def evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
     """The evidence as registry version tags (each value within MLflow's 5000 characters)."""
     tags = {"eagleops.gate.confidence": str(evidence["confidence"]),
@@ -376,6 +418,8 @@ def evidence_tags(evidence: dict[str, Any]) -> dict[str, str]:
             "eagleops.gate.identical_weights": str(evidence["identical_weights"]).lower(),
             "eagleops.gate.evidence": json.dumps({k: evidence[k] for k in ("order", "levels")}, separators=(",", ":"))}
     tags.update({f"eagleops.gate.{role}_weights_sha256": digest for role, digest in evidence["weights_sha256"].items()})
+    if "band" in evidence:
+        tags["eagleops.gate.band"] = json.dumps(evidence["band"], separators=(",", ":"))[:5000]
     return tags
 
 
@@ -410,11 +454,15 @@ def _log_gate(ctx: StageContext, gate: dict[str, Any]) -> None:
         for key in ("tok_s_gain", "tok_s_gain_low", "tok_s_gain_high", "accept_length_gain"):
             if isinstance(c.get(key), float):
                 metrics[f"gate.c{c['concurrency']}.{key}"] = c[key]
+    metrics["gpu_hours"] = gate["gpu_hours"]
+    metrics.update({f"gpu_hours.{host}": hours for host, hours in gate["gpu_hours_by_host"].items()})
     ctx.mlflow.log_metrics(metrics)
+    if gate["gpus"]:
+        ctx.mlflow.log_params({f"gpus.{host}": n for host, n in gate["gpus"].items()})
     ctx.mlflow.set_tags({GATE_TAG: gate["reason"][:5000],
                          "eagleops.gate.decision": "promoted" if gate["promote"] else "refused"})
     ctx.mlflow.log_dict({k: gate[k] for k in ("promote", "reason", "comparisons", "rows", "rounds", "labels",
-                                              "evidence")}, "gate/gate.json")
+                                              "evidence", "gpu_hours", "gpu_hours_by_host", "gpus")}, "gate/gate.json")
     ctx.write_json("gate.json", {k: v for k, v in gate.items()})
     ctx.mlflow.finish("FINISHED")
 
@@ -423,19 +471,33 @@ def _log_gate(ctx: StageContext, gate: dict[str, Any]) -> None:
 
 
 def report_gate(cfg: ExperimentConfig, experiment: dict[str, Any], gate: dict[str, Any], outcome: dict[str, Any]) -> str:
-    """The decision and the side-by-side figures as a Prefect markdown artifact (and in the manifest)."""
-    markdown = redact(gate_markdown(gate, outcome))
+    """The decision, the side-by-side figures and the night's GPU-hours against a full retrain's as a Prefect
+    markdown artifact (and in the manifest; the GPU-hours on the MLflow parent run too)."""
+    night = record_night_gpu_hours(cfg, experiment, gate)
+    markdown = redact(gate_markdown(gate, outcome) + "\n" + night["line"] + "\n")
     write_json_atomic(Path(experiment["run_dir"]) / GATE_STAGE / "outcome.json", outcome)
-    RunDirectory.open(experiment["run_dir"]).update(nightly={**outcome, "bench_run_id": gate["bench_run_id"]})
+    (Path(experiment["run_dir"]) / GATE_STAGE / "report.md").write_text(markdown)
+    RunDirectory.open(experiment["run_dir"]).update(nightly={**outcome, "bench_run_id": gate["bench_run_id"]},
+                                                    gpu_hours=night["block"])
     key = "".join(c if c.isalnum() else "-" for c in cfg.experiment.lower()) + "-nightly-gate"
     create_markdown_artifact(markdown, key=key, description=redact(f"eagleops nightly gate: {outcome['reason']}")[:200])
+    emit_champion_decision(outcome["model"], outcome["challenger"], outcome.get("champion_before"),
+                           outcome["promoted"], outcome["reason"], outcome.get("journaled"))
     return markdown
+
+
+def _aliases_line(outcome: dict[str, Any]) -> str:
+    if outcome.get("journaled"):
+        return (f"Aliases not moved yet: the MLflow registry did not answer, so the decision is journaled in "
+                f"`{outcome['journaled']}`; `eagleops sync` makes it (a promotion only if the champion is still "
+                f"{outcome.get('champion_before') or 'unset'} then).")
+    return f"Aliases after the gate: {outcome['aliases']}"
 
 
 def gate_markdown(gate: dict[str, Any], outcome: dict[str, Any]) -> str:
     verdict = "**promoted**" if outcome["promoted"] else "**refused** (champion kept)"
     lines = [f"# Nightly gate: {outcome['model']} version {outcome['challenger']} {verdict}", "",
-             f"{outcome['reason']}", "", f"Aliases after the gate: {outcome['aliases']}", "",
+             f"{outcome['reason']}", "", _aliases_line(outcome), "",
              "| draft | concurrency | rounds | tok/s per round | accept length |", "|---|---:|---:|---|---:|"]
     for label, rows in gate["rows"].items():
         for row in rows:

@@ -22,7 +22,8 @@ Whatever ends the stage -- success, a failure, Ctrl-C -- no launcher is left run
 
 The rendezvous (`train.rendezvous`, else `_master`): node 0's inventory address; a `local` node 0
 with remote nodes is this machine as those nodes reach it -- the client address their SSH server
-sees (SSH_CONNECTION), never 127.0.0.1, where each remote node would dial itself.
+sees (SSH_CONNECTION), never 127.0.0.1, where each remote node would dial itself. Its port: 29500, or the
+next one free on node 0 when another training's store (or anything else) holds it there.
 """
 
 from __future__ import annotations
@@ -137,10 +138,21 @@ def _master(cfg: ExperimentConfig, nodes: list[Node]) -> tuple[str, int]:
     if cfg.train.rendezvous:
         address, port = cfg.train.rendezvous.rsplit(":", 1)
         return address, int(port)
+    port = _free_master_port(nodes[0])
     if nodes[0].host != "local":
-        return cfg.host(nodes[0].host).address, DEFAULT_MASTER_PORT
+        return cfg.host(nodes[0].host).address, port
     remote = [node for node in nodes if node.host != "local"]
-    return (_this_machine_as_seen_by(cfg, remote) if remote else "127.0.0.1"), DEFAULT_MASTER_PORT
+    return (_this_machine_as_seen_by(cfg, remote) if remote else "127.0.0.1"), port
+
+
+def _free_master_port(node: Node) -> int:
+    """29500, or the next port free on node 0: two trainings on one host (a nightly and a hand run) would
+    otherwise both bind 29500 and the second fail at rendezvous with EADDRINUSE."""
+    port = node.executor.first_free_port(DEFAULT_MASTER_PORT)
+    if port != DEFAULT_MASTER_PORT:
+        logger().info("rendezvous: port %d is in use on %s; node 0 hosts torchrun's store on %d", DEFAULT_MASTER_PORT,
+                      node.label(), port)
+    return port
 
 
 def _this_machine_as_seen_by(cfg: ExperimentConfig, remote: list[Node]) -> str:
@@ -164,8 +176,8 @@ def _this_machine_as_seen_by(cfg: ExperimentConfig, remote: list[Node]) -> str:
         raise NodeFailed(f"train.rendezvous: the nodes see this machine (node 0) at different addresses ({seen}); "
                          "set train.rendezvous to address:port of this machine that every node reaches")
     address = next(iter(seen.values()))
-    logger().info("rendezvous: node 0 is this machine; every node dials it at %s:%d (as %s sees it; "
-                  "train.rendezvous overrides)", address, DEFAULT_MASTER_PORT, ", ".join(seen))
+    logger().info("rendezvous: node 0 is this machine; every node dials it at %s (as %s sees it; "
+                  "train.rendezvous overrides)", address, ", ".join(seen))
     return address
 
 

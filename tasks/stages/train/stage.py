@@ -1,10 +1,12 @@
 """train_draft: EAGLE-3 training-time-test training of the draft, metrics streamed to MLflow.
 
 A thin wrapper over `eagle3.training.train.train_draft`: it reads the data stage's outputs (dataset,
-target directory, aux layer ids, draft vocab size), streams per-step metrics (loss_k, acc_k,
-lr, simulated accept length on validation) to the stage's MLflow run through the trainer's
-callback, and logs the curves. Never retried: a failed training run needs a look, and the
-trainer resumes from its last checkpoint when the stage is run again on the same run dir.
+target directory, aux layer ids, draft vocab size), logs that data as an MLflow dataset input of this run
+and the parent (`dataset_input`), streams per-step metrics (loss_k, acc_k, lr, simulated accept length on
+validation) to the stage's MLflow run through the trainer's callback -- handed off to a background
+sender (`tasks.tracking.handoff`), so the loop never waits on the tracking server -- and logs the curves.
+Never retried: a failed training run needs a look, and the trainer resumes from its last checkpoint when
+the stage is run again on the same run dir.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from tasks.hosts.remote import LocalExecutor
 from tasks.log import logger
 from tasks.rundir import digest_json, digest_paths
 from tasks.runner.context import StageContext
+from tasks.runner.flow_errors import redacted_failures
 from tasks.stages.target import recorded_target_dir
+from tasks.stages.train.dataset_input import training_dataset
 from tasks.stages.train.nodes import train_on_nodes
 from tasks.stages.train.stream import StreamPlace, capture_side, relayed_in_background
+from tasks.tracking.handoff import handed_off
 
 
 def _online_features(cfg: ExperimentConfig, target_dir: Path, aux_layer_ids: list[int]):
@@ -47,14 +52,20 @@ def _cuda() -> bool:
 
 def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_dir: Path,
            aux_layer_ids: list[int], online, progress) -> dict:
-    if cfg.train.nodes:
-        return train_on_nodes(cfg, ctx, dataset_dir, target_dir, aux_layer_ids,
-                              on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
-                              progress=progress)
+    # The loop's metrics go through a queue: it never waits on the tracking server (tasks.tracking.handoff).
+    with handed_off(ctx.mlflow) as on_metrics:
+        if cfg.train.nodes:
+            return train_on_nodes(cfg, ctx, dataset_dir, target_dir, aux_layer_ids, on_metrics=on_metrics,
+                                  progress=progress)
+        return _train_here(cfg, ctx, dataset_dir, target_dir, aux_layer_ids, online, progress, on_metrics)
+
+
+def _train_here(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_dir: Path,
+                aux_layer_ids: list[int], online, progress, on_metrics) -> dict:
     train_here = lambda: run_training(  # noqa: E731
         dataset_dir, target_dir, cfg.train, ctx.stage_dir / "draft",
         aux_layer_ids=aux_layer_ids, draft_vocab_size=cfg.data.draft_vocab_size, online_features=online,
-        on_metrics=lambda step, metrics: ctx.mlflow.log_metrics(metrics, step=step),
+        on_metrics=on_metrics,
         on_progress=lambda done, total: progress("optimizer steps", done, total), log=logger().info,
     )
     if cfg.data.hidden_states != "stream":
@@ -66,6 +77,17 @@ def _train(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, target_d
             summary = train_here()
         summary["stream"] = side.finish()
     return summary
+
+
+def _log_training_data(cfg: ExperimentConfig, ctx: StageContext, data: dict) -> None:
+    """The data stage's output as an MLflow dataset input of this run and of the parent (what the runs table groups by)."""
+    digest = ctx.upstream_digests.get("generate_data")
+    if not digest:
+        return
+    dataset = training_dataset(cfg, data, digest)
+    for run in (ctx.mlflow, ctx.parent_mlflow):
+        if run is not None:
+            run.log_dataset(dataset, context="training")
 
 
 def training_record(data: dict, target_dir: Path) -> dict:
@@ -93,6 +115,7 @@ def _stream_metrics(stream: dict | None) -> dict:
 
 
 @task(name="train_draft", cache_policy=NO_CACHE)
+@redacted_failures  # its exception reaches the task run's Prefect state message masked
 def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     data = ctx.upstream["generate_data"]
     target_dir = recorded_target_dir(cfg, ctx, data["outputs"]["target_dir"])
@@ -100,6 +123,7 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     aux_layer_ids = data["aux_layer_ids"]
     online = _online_features(cfg, target_dir, aux_layer_ids) if cfg.data.hidden_states == "online" else None
     ctx.mlflow.log_params({"aux_layer_ids": json.dumps(aux_layer_ids), "draft_vocab_size": cfg.data.draft_vocab_size})
+    _log_training_data(cfg, ctx, data)
     progress = ctx.progress()
     # On a shared CPU, one thread per idle core: oversubscribed torch threads run 5-30x slower.
     with contextlib.nullcontext() if _cuda() or cfg.train.nodes else cpu_threads():

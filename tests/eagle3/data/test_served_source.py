@@ -22,7 +22,7 @@ from eagle3.config import DataConfig, ServedDumpsConfig, TargetConfig
 from eagle3.data.generate import generate_dataset
 from eagle3.data.samples import read_samples
 from eagle3.data.served_source import listing_digest, local_listing, resolve_window
-from eagle3.serving.sglang_client import builtin_prompts, heldout_overlap, render_prompts
+from eagle3.serving.bench_prompts import builtin_prompts, heldout_overlap, render_prompts
 from tasks.config.schema import ExperimentConfig
 from tasks.runner.specs import _host_listing, stage_inputs
 from tasks.stages.bench.stage import bench_prompts

@@ -156,15 +156,23 @@ def test_decoder_step_kv_cache_equals_full_forward():
     torch.testing.assert_close(masked, rest, atol=1e-5, rtol=1e-5)
 
 
+MLA = dict(architecture="deepseek_mla", q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4,
+           v_head_dim=5)
+VARIANTS = {"llama": {}, "llama-3.1": dict(fc_norm=True, norm_output=True), "mla": MLA,
+            "mla-3.1": dict(MLA, fc_norm=True, norm_output=True)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("attn_impl", ["fast", "dense"])
-def test_ttt_unroll_equals_chain_decoding(attn_impl):
+def test_ttt_unroll_equals_chain_decoding(attn_impl, variant):
     """The alignment contract: TTT step k at query t == a decoder chain started at t.
 
     Step 0 runs over the whole sequence (token t+1 at position t); step k for query t reads
     token t+1+k at position t+k, the previous step's output of that query, and attends to the
-    step-0 keys 0..t plus its own earlier keys -- exactly a KV-cached decode.
+    step-0 keys 0..t plus its own earlier keys -- exactly a KV-cached decode. For each draft variant: GQA,
+    MLA, each with the EAGLE-3.1 options (the hidden a step hands on is then normed, in both forms).
     """
-    model = tiny_model()
+    model = tiny_model(**VARIANTS[variant])
     g = torch.Generator().manual_seed(5)
     t_len, steps = 8, 3
     ids = torch.randint(0, 80, (1, t_len), generator=g)
@@ -185,6 +193,36 @@ def test_ttt_unroll_equals_chain_decoding(attn_impl):
             tok = ids[:, t + 1 + k : t + 2 + k]
             h, past = model.decoder_step(tok, h, torch.tensor([[t + k]]), past_key_value=past)
             torch.testing.assert_close(h, ttt_out[k][:, t : t + 1], atol=1e-5, rtol=1e-5)
+
+
+def test_mla_draft_takes_its_dims_from_the_target_and_refuses_what_sglang_cannot_build():
+    kimi = {**TARGET, "num_attention_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 8, "qk_nope_head_dim": 6,
+            "qk_rope_head_dim": 4, "v_head_dim": 5}
+    config = DraftModelConfig.from_target_config(kimi, 40, [1, 3, 4], architecture="deepseek_mla", kv_lora_rank=16)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.head_dim, config.num_key_value_heads) == (12, 16, 10, 4)
+    assert config.rope_dim == 4 and config.is_mla
+    with pytest.raises(ValueError, match="q_lora_rank"):  # SGLang's Eagle3 MLA layer requires it
+        DraftModelConfig.from_target_config(TARGET, 40, [1, 3, 4], architecture="deepseek_mla")
+    with pytest.raises(ValueError, match="YaRN"):
+        tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    llama = DraftModelConfig.from_target_config(kimi, 40, [1, 3, 4])  # the MLA dims do not leak into a GQA draft
+    assert llama.q_lora_rank is None and not llama.is_mla
+
+
+def test_a_kimi_k2_config_gives_the_mla_draft_its_language_models_dims():
+    """Kimi-K2.5's config.json is a multimodal wrapper: the DeepSeek-V3 language model's keys are in text_config
+    (values of the Kimi-K2 family: 64 MLA heads, latent ranks 1536/512, DeepSeek YaRN)."""
+    text = {"hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 64, "num_key_value_heads": 64,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "vocab_size": 163840, "num_hidden_layers": 61, "rms_norm_eps": 1e-5,
+            "rope_theta": 50000.0, "max_position_embeddings": 262144, "hidden_act": "silu",
+            "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    kimi = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text, "vision_config": {}}
+    config = DraftModelConfig.from_target_config(kimi, 32000, [2, 30, 58], architecture="deepseek_mla")
+    assert (config.hidden_size, config.num_attention_heads, config.head_dim, config.v_head_dim) == (7168, 64, 192, 128)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.rope_dim) == (1536, 512, 64)
+    assert config.rope_scaling["factor"] == 64.0 and config.vocab_size == 163840 and config.shares_target_embedding
 
 
 def test_vocab_mapping_and_draft_to_target():

@@ -515,9 +515,16 @@ def test_server_stats_agree_with_the_decoder(server):
     text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
     labels = 'engine_type="unified",model_name="{}",moe_ep_rank="0",pp_rank="0",tp_rank="0"'.format(server.target_dir)
     for name in ("sglang:spec_accept_length", "sglang:spec_accept_rate", "sglang:spec_num_steps",
-                 "sglang:spec_num_draft_tokens", "sglang:spec_verify_calls_total", "sglang:gen_throughput",
-                 "sglang:generation_tokens_total", "sglang:num_running_reqs", "sglang:num_queue_reqs"):
+                 "sglang:spec_num_draft_tokens", "sglang:gen_throughput", "sglang:num_running_reqs",
+                 "sglang:num_queue_reqs"):
         assert re.search(rf"^{re.escape(name)}\{{{re.escape(labels)}\}} \S+$", text, re.M), name
+    # SGLang's tokenizer-side counters: per finished request, labelled model_name + engine_type (+ is_streaming)
+    model = 'model_name="{}"'.format(server.target_dir)
+    for name, streaming in (("sglang:spec_verify_calls_total", ""), ("sglang:generation_tokens_total", 'is_streaming="false",'),
+                            ("sglang:prompt_tokens_total", 'is_streaming="false",'),
+                            ("sglang:num_requests_total", 'is_streaming="false",')):
+        shown = f'engine_type="unified",{streaming}{model}'  # prometheus_client writes labels in name order
+        assert re.search(rf"^{re.escape(name)}\{{{re.escape(shown)}\}} \S+$", text, re.M), name
     values = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(sglang:\w+)\{[^}]*\} (\S+)$", text, re.M)}
     assert values["sglang:spec_num_draft_tokens"] == 2 and values["sglang:spec_num_steps"] == 1
     assert values["sglang:spec_verify_calls_total"] >= verifies

@@ -61,11 +61,18 @@ def make_items(n: int, seed: int, embed: torch.Tensor, t_max: int = 16):
     return items
 
 
-def make_draft(embed, mapping, seed: int = 0) -> Eagle3DraftModel:
+# the draft variants the same TTT loop trains: GQA, and MLA with the EAGLE-3.1 options
+MLA = dict(architecture="deepseek_mla", num_key_value_heads=4, head_dim=10, q_lora_rank=12, kv_lora_rank=8,
+           qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+DRAFT_VARIANTS = {"llama": {}, "llama-3.1": dict(fc_norm=True, norm_output=True), "mla": MLA,
+                  "mla-3.1": dict(MLA, fc_norm=True, norm_output=True)}
+
+
+def make_draft(embed, mapping, seed: int = 0, **options) -> Eagle3DraftModel:
     torch.manual_seed(seed)
-    cfg = DraftModelConfig(hidden_size=HT, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=HT,
-                           aux_layer_ids=[1, 3, 5])
+    cfg = DraftModelConfig(**{**dict(hidden_size=HT, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=8, vocab_size=V, draft_vocab_size=VD, target_hidden_size=HT,
+                                     aux_layer_ids=[1, 3, 5]), **options})
     draft = Eagle3DraftModel(cfg)
     draft.load_target_embedding(embed)
     draft.set_vocab_mapping(*mapping)
@@ -105,6 +112,7 @@ def _reference_ttt_loss(draft, batch, lm_head, steps, decay):
             q, repeat_kv(torch.cat(keys, 2), groups), repeat_kv(torch.cat(values, 2), groups),
             attn_mask=build_ttt_attention_mask(t, k))
         hidden = draft.midlayer.finish(attn, hidden)
+        hidden = draft.norm(hidden) if draft.config.norm_output else hidden  # EAGLE-3.1: the next step gets it normed
         valid_rows = torch.arange(t) < t - 1 - k  # rows whose teacher index exists
         position_mask = draft.t2d[target.argmax(-1)] & lmask.bool() & valid_rows
         p = torch.softmax(target[..., draft.t2d].float(), -1)
@@ -115,10 +123,11 @@ def _reference_ttt_loss(draft, batch, lm_head, steps, decay):
     return total
 
 
+@pytest.mark.parametrize("variant", ["llama", "mla-3.1"])
 @pytest.mark.parametrize("attention", ["fast", "dense"])
-def test_ttt_loss_and_grads_match_unfused_reference(attention):
+def test_ttt_loss_and_grads_match_unfused_reference(attention, variant):
     embed, lm_head, mapping = make_world()
-    draft = make_draft(embed, mapping)
+    draft = make_draft(embed, mapping, **DRAFT_VARIANTS[variant])
     from eagle3.training.schedule import default_collate_fn
 
     batch = default_collate_fn(make_items(3, 1, embed))
@@ -299,14 +308,12 @@ def test_training_curves_are_titled_and_every_axis_names_its_unit():
     figure = build_training_figure(history)
     axes = figure.axes
     assert [ax.get_title() for ax in axes] == [
-        "Training loss (soft cross-entropy, sum over TTT steps x decay^k)",
-        "acc_k per TTT position (draft top-1 = target top-1)",
-        "Simulated accept length (1 + sum_k prod_{j<=k} acc_j)"]
-    assert [ax.get_ylabel() for ax in axes] == ["loss (nats per token, summed over steps)",
-                                                "acc_k (share of loss-masked positions, 0-1)",
-                                                "tokens per verify step"]
+        "Training loss: soft cross-entropy, $\\sum_k$ decay$^k$ over TTT steps",
+        "$acc_k$ per TTT position, val (draft top-1 = target top-1)",
+        "Simulated accept length, full depth 2: $1 + \\sum_k \\prod_{j \\leq k} acc_j$"]
+    assert [ax.get_ylabel() for ax in axes] == ["nats per token", "share (0-1)", "tokens / verify step"]
     assert {ax.get_xlabel() for ax in axes} == {"optimizer step (count)"}
-    assert [line.get_label() for line in axes[1].lines] == ["train acc_0", "train acc_1", "val acc_0", "val acc_1"]
+    assert [line.get_label() for line in axes[1].lines] == ["val acc_0", "val acc_1"]  # one split: fewer lines
     assert [list(line.get_ydata()) for line in axes[2].lines] == [[1.4025]]  # 1 + 0.35 + 0.35 * 0.15
     import matplotlib.pyplot as plt
 
@@ -521,11 +528,13 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, strategy
         assert norm_2 == pytest.approx(norm_1, rel=1e-5), step
 
 
-def test_ttt_module_fused_layer_weights_equal_the_layer_on_its_own_parameters():
-    """The training path's fused GEMMs (q/k/v and gate/up as one weight each, every weight's gradient
-    summed over the TTT unroll inside its backward GEMMs, eagle3/draft/fused_layer.py) give the loss
-    and the gradient of every parameter that the layer run on its own parameters gives (autograd
-    summing the steps' weight gradients), in fp64 so any dropped or doubled step shows."""
+@pytest.mark.parametrize("variant", DRAFT_VARIANTS)
+def test_ttt_module_fused_layer_weights_equal_the_layer_on_its_own_parameters(variant):
+    """The training path's fused GEMMs (q/k/v -- MLA: q_a/kv_a -- and gate/up as one weight each, every
+    weight's gradient summed over the TTT unroll inside its backward GEMMs, eagle3/draft/fused_layer.py) give
+    the loss and the gradient of every parameter that the layer run on its own parameters gives (autograd
+    summing the steps' weight gradients), in fp64 so any dropped or doubled step shows; for each draft
+    variant (GQA, MLA, each with fc_norm + norm_output)."""
     embed, lm_head, mapping = make_world()
     from eagle3.training.schedule import default_collate_fn
 
@@ -533,7 +542,11 @@ def test_ttt_module_fused_layer_weights_equal_the_layer_on_its_own_parameters():
              for k, v in default_collate_fn(make_items(4, 3, embed, t_max=24)).items()}
     results = []
     for fused in (True, False):
-        draft = make_draft(embed, mapping).double()
+        draft = make_draft(embed, mapping, **DRAFT_VARIANTS[variant]).double()
+        with torch.no_grad():  # norms away from 1, so a norm used twice or skipped shows
+            for name, param in draft.named_parameters():
+                if param.dim() == 1:
+                    param.add_(0.3 * torch.randn_like(param))
         if not fused:
             draft.fused_layer_weights = lambda dtype: None  # ttt_step then uses the parameters themselves
         module = Eagle3TTTModule(draft, train_config(ttt_steps=4))
@@ -543,7 +556,9 @@ def test_ttt_module_fused_layer_weights_equal_the_layer_on_its_own_parameters():
         results.append((loss.item(), {n: q.grad for n, q in draft.named_parameters() if q.requires_grad}))
     (loss_f, grads_f), (loss_p, grads_p) = results
     assert loss_f == pytest.approx(loss_p, rel=1e-12)
-    assert grads_f.keys() == grads_p.keys() and "midlayer.self_attn.k_proj.weight" in grads_f
+    key = "midlayer.self_attn.kv_b_proj.weight" if "mla" in variant else "midlayer.self_attn.k_proj.weight"
+    assert grads_f.keys() == grads_p.keys() and key in grads_f
+    assert ("fc_norm.2.weight" in grads_f) == ("3.1" in variant)
     for name in grads_p:
         torch.testing.assert_close(grads_f[name], grads_p[name], rtol=1e-9, atol=1e-12, msg=name)
 

@@ -88,6 +88,13 @@ BROKEN = [
     ("    backend: local", "    backend: local\n    api_key: ${EAGLEOPS_TEST_UNSET_VAR}", 8, "data.regenerate.api_key: environment variable EAGLEOPS_TEST_UNSET_VAR is not set"),
     ("target:\n  kind: tiny", "target:\n  kind: tiny\n  aux_layer_ids: []", 4, "target.aux_layer_ids: List should have at least 1 item"),
     ("train:\n  ttt_steps: 7", "train: 5", 8, "train: must be a valid dictionary"),
+    ("  ttt_steps: 7\ndeploy:", "  ttt_steps: 7\n  draft:\n    architecture: deepseek_mla\nexport:\n"
+     "  formats: [sglang, speculators]\ndeploy:", 13,
+     "export.formats: speculators cannot hold the deepseek_mla draft (train.draft.architecture)"),
+    ("  ttt_steps: 7", "  ttt_steps: 7\n  draft:\n    q_lora_rank: 64", 11,
+     "train.draft.q_lora_rank is an MLA dimension: set train.draft.architecture: deepseek_mla"),
+    ("  ttt_steps: 7", "  ttt_steps: 7\n  draft:\n    architecture: mla", 11,
+     "train.draft.architecture: must be 'llama' or 'deepseek_mla' (got 'mla')"),
     ("  ttt_steps: 7", "  ttt_steps: [7", 9, "invalid YAML"),  # the line the bracket opens
 ]
 

@@ -69,6 +69,7 @@ def test_measure_logs_the_rounds_progress_under_the_settings_label(monkeypatch, 
     handle = SimpleNamespace(label="speculative 4/1/5", local_url="http://127.0.0.1:9")
     with caplog.at_level(logging.INFO, logger="eagleops"):
         assert bench.measure(cfg, handle, "generate", [[1, 2], [3]], 1) == "result"
+    warm, timed = cfg.bench.warmup_runs, cfg.bench.timed_runs  # the demo's: 1 + 3 (configs/tiny.yaml)
     assert [r.getMessage() for r in caplog.records] == [
-        "speculative 4/1/5 (concurrency 1): 2 warm-up + 5 timed runs of 2 prompts x 128 tokens",
-        *[f"speculative 4/1/5 (concurrency 1): timed run {i}/5: 10.0 tok/s" for i in range(1, 6)]]
+        f"speculative 4/1/5 (concurrency 1): {warm} warm-up + {timed} timed runs of 2 prompts x 128 tokens",
+        *[f"speculative 4/1/5 (concurrency 1): timed run {i}/{timed}: 10.0 tok/s" for i in range(1, timed + 1)]]

@@ -8,6 +8,7 @@ a remote node; the one environment value faked is SSH_CONNECTION, the address a 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -51,17 +52,18 @@ def node(rank: int, host: str, executor, root: Path) -> Node:
 
 def test_default_rendezvous_is_node_0_as_the_other_nodes_reach_it(tmp_path, monkeypatch):
     local = LocalExecutor()
+    free = local.first_free_port(DEFAULT_MASTER_PORT)  # 29500 unless another test's training holds it
     cfg = config(tmp_path, "[local, gpu-2]")
     assert _master(config(tmp_path, "[local, local]"), [node(0, "local", local, tmp_path)] * 2) == \
-        ("127.0.0.1", DEFAULT_MASTER_PORT)
+        ("127.0.0.1", free)
     assert _master(config(tmp_path, "[gpu-2, local]"), [node(0, "gpu-2", local, tmp_path)]) == \
-        ("gpu-2.example", DEFAULT_MASTER_PORT)
+        ("gpu-2.example", free)
     assert _master(config(tmp_path, "[local, gpu-2]", "10.0.0.5:29999"), [node(0, "local", local, tmp_path)]) == \
         ("10.0.0.5", 29999)
     # node 0 here, node 1 remote: the address node 1's sshd sees this machine connect from, never 127.0.0.1
     monkeypatch.setenv("SSH_CONNECTION", "10.1.2.3 40122 10.1.2.4 22")
     nodes = [node(0, "local", local, tmp_path), node(1, "gpu-2", local, tmp_path)]
-    assert _master(cfg, nodes) == ("10.1.2.3", DEFAULT_MASTER_PORT)
+    assert _master(cfg, nodes) == ("10.1.2.3", free)
     monkeypatch.setenv("SSH_CONNECTION", "")
     with pytest.raises(NodeFailed, match="train.rendezvous: node 1 \\(gpu-2\\) does not say"):
         _master(cfg, nodes)
@@ -77,7 +79,20 @@ def test_default_rendezvous_over_a_real_sshd_is_this_end_of_the_connection(tmp_p
     with connect(host) as ssh:
         this_end = ssh._client.get_transport().sock.getsockname()[0]  # the socket's own local address
         assert _master(cfg, [node(0, "local", LocalExecutor(), tmp_path), node(1, "testhost", ssh, tmp_path)]) == \
-            (this_end, DEFAULT_MASTER_PORT)
+            (this_end, ssh.first_free_port(DEFAULT_MASTER_PORT))
+
+
+def test_the_default_rendezvous_port_moves_past_one_that_node_0_holds(tmp_path, monkeypatch):
+    """A second training on one host (a nightly beside a hand run) must not dial the first one's store."""
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setattr(train_nodes, "DEFAULT_MASTER_PORT", port)
+        address, chosen = _master(config(tmp_path, "[local, local]"), [node(0, "local", LocalExecutor(), tmp_path)] * 2)
+        assert address == "127.0.0.1" and chosen > port
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", chosen))  # free indeed
 
 
 def test_a_launcher_that_hangs_without_exiting_fails_the_stage_naming_the_node(tmp_path, monkeypatch):

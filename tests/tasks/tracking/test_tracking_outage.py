@@ -10,11 +10,12 @@ harness, and `eagleops sync` through typer's CliRunner.
     stage reports completion, in the flow's own thread, so the rest of the run is offline);
     after a restart + sync, every stage attempt in the manifest has its run and metrics.
 (c) eagleops experiments carry mlflow.experimentKind = custom_model_development.
-(d) the whole pipeline (data, training, export, deploy, benchmark) with the server down from the
-    start, then a resume of deploy + benchmark on the same folder with the server stopped right
+(d) the whole pipeline (data, training, export with a registered model, deploy, benchmark) with the server
+    down from the start, then a resume of deploy + benchmark on the same folder with the server stopped right
     before run_benchmark: both complete, and after `eagleops sync` the server holds every stage's
     run with its metrics, tags, artifacts, the benchmark's comparison table (readable by MLflow's
-    own load_table) and plots, and the system metrics `tracking.log_system_metrics` sampled
+    own load_table) and plots, the model version the export registered (its number in the manifest), and the
+    system metrics `tracking.log_system_metrics` sampled
     (absent from the runs of (a) and (b), where the field is off).
 """
 
@@ -36,7 +37,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.experiment import eagle3_experiment
 from tasks.tracking import HTTP_RETRY_DEFAULTS
-from tasks.tracking.journal import JOURNAL_FILE, STATE_FILE, journal_path
+from tasks.tracking.journal import JOURNAL_FILE, STATE_FILE, is_placeholder, journal_path
 from tasks.tracking.outage import check_tracking_server
 from tasks.tracking.run_logger import RunLogger
 from tasks.tracking.views import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG
@@ -155,6 +156,7 @@ def assert_uploaded(client: MlflowClient, run_dir: Path, stages: set[str] = froz
         assert child.data.tags["mlflow.parentRunId"] == parent_id
         assert child.data.tags["eagleops.stage"] == name
         assert child.data.metrics["wall_time_s"] == pytest.approx(attempt["wall_time_s"])
+        assert child.data.metrics["gpu_hours"] == pytest.approx(attempt["gpu_hours"])  # journaled like the rest
         for key, value in attempt["summary"]["metrics"].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 assert child.data.metrics[key] == pytest.approx(value)
@@ -169,6 +171,7 @@ def assert_uploaded(client: MlflowClient, run_dir: Path, stages: set[str] = froz
         for key, value in entry["summary"]["metrics"].items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 assert parent.data.metrics[f"{name}.{key}"] == pytest.approx(value)
+    assert parent.data.metrics["gpu_hours_total"] == pytest.approx(manifest["gpu_hours"]["total"])
     env_id = manifest["stages"]["check_environment"]["mlflow_run_id"]
     assert "env.hostname" in client.get_run(env_id).data.params
     assert "environment/report.json" in artifact_paths(client, env_id)
@@ -316,7 +319,7 @@ def test_offline_artifacts_and_model_version_replay_later(mlflow_server, tmp_pat
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text('{"v": 1}')
     parent.log_artifact(checkpoint, "checkpoint/sglang")
-    assert parent.register_version("outage-unit-draft", "checkpoint/sglang", {"format": "sglang"}) is None
+    assert is_placeholder(parent.register_version("outage-unit-draft", "checkpoint/sglang", {"format": "sglang"}))
     (checkpoint / "config.json").unlink()  # the stage cleans up; the journal still holds the file
 
     result = sync_journal(run_dir, mlflow_server.uri)
@@ -341,7 +344,7 @@ runs_root: {runs}
   draft_vocab_size: 64
   regenerate: {{max_new_tokens: 16}}
 train: {{ttt_steps: 2, epochs: 3, max_steps: 6, batch_size: 4, log_every: 1}}
-export: {{formats: [sglang], dtype: float32}}
+export: {{formats: [sglang], dtype: float32, registered_model: {name}-draft}}
 deploy:
   server: reference
   port: {port}
@@ -434,12 +437,25 @@ def test_whole_pipeline_with_server_down_from_the_start_then_sync(offline_pipeli
     uploaded = sorted((m.step, m.value) for m in client.get_metric_history(train["mlflow_run_id"], "train/loss"))
     assert [step for step, _ in uploaded] == [step for step, _ in written]
     assert [loss for _, loss in uploaded] == pytest.approx([loss for _, loss in written])
+    # The training data as a dataset input of the training run and the parent (journaled, then replayed).
+    digest = latest_attempt(run_dir, "generate_data")["output_digest"]
+    for run_id in (train["mlflow_run_id"], manifest_of(run_dir)["mlflow"]["parent_run_id"]):
+        (data_input,) = client.get_run(run_id).inputs.dataset_inputs
+        assert (data_input.dataset.name, data_input.dataset.digest) == ("prompts:builtin", digest)
+        assert [(t.key, t.value) for t in data_input.tags] == [("mlflow.data.context", "training")]
+        profile = json.loads(data_input.dataset.profile)
+        summary = latest_attempt(run_dir, "generate_data")["summary"]
+        assert profile["samples"] == sum(summary["num_samples"].values()) > 0 and profile["digest"] == digest
     # Several system samples (1 s apart) over the benchmark (two server launches), at steps 0, 1, 2, ...
     bench = latest_attempt(run_dir, "run_benchmark")
     cpu = client.get_metric_history(bench["mlflow_run_id"], "system/cpu_utilization_percentage")
     assert sorted(m.step for m in cpu) == list(range(len(cpu))) and len(cpu) >= 2
     export = latest_attempt(run_dir, "export_checkpoint")
     assert any(p.startswith("checkpoint/sglang/") for p in artifact_paths(client, export["mlflow_run_id"]))
+    # Registered offline too: sync registered it once, from the export's run, and wrote its number into the manifest.
+    (version,) = client.search_model_versions("name = 'outage-pipeline-draft'")
+    assert version.run_id == export["mlflow_run_id"] and version.source.endswith("/checkpoint/sglang")
+    assert export["outputs"]["registered_model_version"] == f"outage-pipeline-draft/{version.version}"
 
 
 @pytest.mark.slow
