@@ -344,7 +344,7 @@ def generate_dataset(
         return open_capture_engine(target_dir, target_cfg, data_cfg, facts["aux_layer_ids"], loaded.get("model"))
 
     # CPU: as many threads as there are idle cores (oversubscribed OpenMP is 30x slower here).
-    with cpu_threads() if device == "cpu" else contextlib.nullcontext():
+    with cpu_threads(log=log) if device == "cpu" else contextlib.nullcontext():
         samples, meta = _prepare_samples(target_dir, data_cfg, tokenizer, stop_ids, load_model, out_dir, progress, log,
                                          open_endpoints)
         if uses_capture_cache(data_cfg):  # served: only the samples no earlier night captured, plus the replay

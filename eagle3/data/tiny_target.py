@@ -22,7 +22,7 @@ import sysconfig
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -434,6 +434,7 @@ def train_model(
     cfg: TinyTargetConfig,
     pad_id: int,
     on_progress: ProgressFn | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Next-token training on stream windows mixed with chat samples (share cfg.chat_fraction).
 
@@ -454,8 +455,11 @@ def train_model(
         opt.step()
         opt.zero_grad(set_to_none=True)
         recent = (recent + [loss.item()])[-20:]
-        if not cfg.num_threads and step % 20 == 19:
-            torch.set_num_threads(_thread_count(0, own_threads=torch.get_num_threads()))
+        if not cfg.num_threads and step % 20 == 19:  # the machine's load moves: look again
+            choice = thread_choice(0, own_threads=torch.get_num_threads())
+            if choice.threads != torch.get_num_threads() and log:
+                log(f"tiny target step {step + 1}: {choice.describe()}")
+            torch.set_num_threads(choice.threads)
         if on_progress:
             on_progress("train", step + 1, cfg.train_steps)
     model.eval()
@@ -555,7 +559,36 @@ def tiny_target_key(cfg: TinyTargetConfig, corpus_sha: str) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _thread_count(requested: int, own_threads: int = 0) -> int:
+@dataclass(frozen=True)
+class ThreadChoice:
+    """How many torch CPU threads a stage runs at, and the figures that decided it (logged by the stage)."""
+
+    threads: int
+    cores: int
+    requested: int = 0
+    load_elsewhere: float | None = None  # 1-minute load average minus our own threads
+    busy_elsewhere: float | None = None  # cores busy now outside this process tree (looked only when the load says so)
+    speedup: float | None = None  # parallel_speedup(threads), measured when more than one core is free
+
+    def describe(self) -> str:
+        if self.requested:
+            return f"CPU threads: {self.threads} (requested)"
+        seen = [f"load elsewhere {self.load_elsewhere:.2f}"] if self.load_elsewhere is not None else []
+        if self.busy_elsewhere is not None:
+            seen.append(f"busy elsewhere now {self.busy_elsewhere:.2f} cores")
+        if self.speedup is not None:
+            seen.append(f"{self.cores - self._busy()} threads measured {self.speedup:.2f}x one "
+                        f"(needs {MIN_PARALLEL_SPEEDUP}x)")
+        return f"CPU threads: {self.threads} of {self.cores} cores ({'; '.join(seen)})"
+
+    def _busy(self) -> int:
+        others = self.load_elsewhere or 0.0
+        if self.busy_elsewhere is not None:
+            others = min(others, self.busy_elsewhere)
+        return int(others + 0.5)
+
+
+def thread_choice(requested: int, own_threads: int = 0) -> ThreadChoice:
     """Requested threads, or (0) the usable cores that other processes are not keeping busy.
 
     On a shared machine, OpenMP threads that outnumber the free cores spin in barriers while
@@ -564,14 +597,22 @@ def _thread_count(requested: int, own_threads: int = 0) -> int:
     The 1-minute load average minus our own threads estimates the busy cores; more than one thread only
     where a quick measurement (parallel_speedup) shows they pay on this machine.
     """
-    if requested:
-        return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    others = max(0.0, os.getloadavg()[0] - own_threads) if hasattr(os, "getloadavg") else 0.0
-    if others >= 0.5:  # the load average also counts this process's last minute (the stage before): look now
-        others = min(others, busy_cores_elsewhere())
-    free = max(1, cores - int(others + 0.5))
-    return free if free == 1 or parallel_speedup(free) >= MIN_PARALLEL_SPEEDUP else 1
+    if requested:
+        return ThreadChoice(requested, cores, requested)
+    load = max(0.0, os.getloadavg()[0] - own_threads) if hasattr(os, "getloadavg") else 0.0
+    # the load average also counts this process's last minute (the stage before): look now
+    busy = busy_cores_elsewhere() if load >= 0.5 else None
+    choice = ThreadChoice(1, cores, 0, load, busy)
+    free = cores - choice._busy()
+    if free <= 1:
+        return choice
+    speedup = parallel_speedup(free)
+    return replace(choice, threads=free if speedup >= MIN_PARALLEL_SPEEDUP else 1, speedup=speedup)
+
+
+def _thread_count(requested: int, own_threads: int = 0) -> int:
+    return thread_choice(requested, own_threads).threads
 
 
 def busy_cores_elsewhere(window_s: float = 0.3) -> float:
@@ -595,17 +636,21 @@ def busy_cores_elsewhere(window_s: float = 0.3) -> float:
 # both cores idle: on the 2-vCPU VMs our CI runs on, 2 threads ran the demo's regeneration 3-5x slower than 1
 # at load average 0.0 (issue 38).
 MIN_PARALLEL_SPEEDUP = 1.3
-_SPEEDUP_TTL_S = 300.0
+# A measurement is kept for a few minutes when threads paid, for seconds when they did not: a probe taken while
+# something else briefly ran (a server starting, the previous stage's teardown) must not pin a stage to 1 thread.
+_SPEEDUP_TTL_S = {True: 300.0, False: 20.0}
 _speedups: dict[int, tuple[float, float]] = {}  # threads -> (measured at, speedup)
 
 
 def parallel_speedup(threads: int) -> float:
     """How much faster `threads` torch threads run a step shaped like the demo's ops than one thread does
     (a [2048, 64] x [64, 512] product and its softmax: small ops, where a second thread's fork and join costs
-    most), best of 3 rounds each (~0.1 s on an idle machine), measured now and kept for a few minutes."""
+    most), best of 3 rounds each (~0.1 s on an idle machine), measured now and kept (_SPEEDUP_TTL_S)."""
     now = time.monotonic()
-    if threads in _speedups and now - _speedups[threads][0] < _SPEEDUP_TTL_S:
-        return _speedups[threads][1]
+    if threads in _speedups:
+        measured_at, speedup = _speedups[threads]
+        if now - measured_at < _SPEEDUP_TTL_S[speedup >= MIN_PARALLEL_SPEEDUP]:
+            return speedup
     rows, weight = torch.randn(2048, 64), torch.randn(64, 512)
     previous = torch.get_num_threads()
 
@@ -629,10 +674,14 @@ def parallel_speedup(threads: int) -> float:
 
 
 @contextlib.contextmanager
-def cpu_threads(requested: int = 0):
-    """Run a block with _thread_count(requested) torch CPU threads, restoring the old count."""
+def cpu_threads(requested: int = 0, log: Callable[[str], None] | None = None):
+    """Run a block with thread_choice(requested) torch CPU threads (`log` gets the choice and its figures),
+    restoring the old count."""
     previous = torch.get_num_threads()
-    torch.set_num_threads(_thread_count(requested))
+    choice = thread_choice(requested)
+    if log:
+        log(choice.describe())
+    torch.set_num_threads(choice.threads)
     try:
         yield torch.get_num_threads()
     finally:
@@ -656,7 +705,8 @@ def _save_target(model, tokenizer, out: Path, info: dict, evaluation: dict) -> N
     (out / "eval.json").write_text(json.dumps(evaluation, indent=2))
 
 
-def _build_into(cfg: TinyTargetConfig, files: list[CorpusFile], out: Path, info: dict, progress: ProgressFn) -> None:
+def _build_into(cfg: TinyTargetConfig, files: list[CorpusFile], out: Path, info: dict, progress: ProgressFn,
+                log: Callable[[str], None] | None = None) -> None:
     """Tokenizer -> corpus encoding -> chat pool -> training -> evaluation -> save, into `out`."""
     timings = {}
     t0 = time.perf_counter()
@@ -678,7 +728,7 @@ def _build_into(cfg: TinyTargetConfig, files: list[CorpusFile], out: Path, info:
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(build_model_config(cfg, tokenizer))
     t1 = time.perf_counter()
-    stats = train_model(model, stream, chats, cfg, tokenizer.pad_token_id, progress)
+    stats = train_model(model, stream, chats, cfg, tokenizer.pad_token_id, progress, log)
     timings["train_s"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -693,7 +743,8 @@ def _build_into(cfg: TinyTargetConfig, files: list[CorpusFile], out: Path, info:
     _save_target(model, tokenizer, out, info, evaluation)
 
 
-def build_tiny_target(cfg: TinyTargetConfig, cache_root: Path, on_progress: ProgressFn | None = None) -> Path:
+def build_tiny_target(cfg: TinyTargetConfig, cache_root: Path, on_progress: ProgressFn | None = None,
+                      log: Callable[[str], None] | None = None) -> Path:
     """Build (or reuse from cache) the tiny target; returns its HF model directory.
 
     The directory is `cache_root/tiny-target-<key[:16]>`, key = tiny_target_key(...). It is
@@ -720,8 +771,8 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_root: Path, on_progress: Prog
         "code_sha256": code_sha256(),
     }
     try:
-        with cpu_threads(cfg.num_threads):
-            _build_into(cfg, files, tmp, info, progress)
+        with cpu_threads(cfg.num_threads, log):
+            _build_into(cfg, files, tmp, info, progress, log)
         try:
             os.rename(tmp, final)
         except OSError:

@@ -16,7 +16,8 @@ def resolve_target_dir(cfg: ExperimentConfig, ctx: StageContext) -> Path:
     """The target's HF directory on this machine: the built tiny target or target.model_path."""
     if cfg.target.kind == "tiny":
         cache = Path(cfg.runs_root).resolve() / "cache" / "targets"
-        target_dir = build_tiny_target(cfg.target.tiny, cache, on_progress=ctx.progress("tiny target"))
+        target_dir = build_tiny_target(cfg.target.tiny, cache, on_progress=ctx.progress("tiny target"),
+                                       log=logger().info)
         logger().info(f"tiny target: {target_dir}")
         return target_dir
     target_dir = Path(cfg.target.model_path or "").expanduser()

@@ -110,7 +110,7 @@ def pinned_data_threads(threads: int):
         yield
         return
     original = eagle3.data.generate.cpu_threads
-    eagle3.data.generate.cpu_threads = lambda requested=0: original(threads)
+    eagle3.data.generate.cpu_threads = lambda requested=0, log=None: original(threads, log)
     try:
         yield
     finally:

@@ -126,7 +126,7 @@ def train_draft(cfg: ExperimentConfig, ctx: StageContext) -> dict:
     _log_training_data(cfg, ctx, data)
     progress = ctx.progress()
     # On a shared CPU, one thread per idle core: oversubscribed torch threads run 5-30x slower.
-    with contextlib.nullcontext() if _cuda() or cfg.train.nodes else cpu_threads():
+    with contextlib.nullcontext() if _cuda() or cfg.train.nodes else cpu_threads(log=logger().info):
         summary = _train(cfg, ctx, dataset_dir, target_dir, aux_layer_ids, online, progress)
     if summary.get("curves_png"):
         ctx.mlflow.log_artifact(summary["curves_png"], "plots")

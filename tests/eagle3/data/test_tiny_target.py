@@ -190,6 +190,39 @@ def test_idle_cores_are_used_only_where_a_second_thread_measured_faster(monkeypa
     assert tiny_target_mod._thread_count(3) == 3
 
 
+def test_the_thread_choice_is_logged_with_the_figures_that_decided_it(monkeypatch):
+    """The line a stage logs says how many threads and why: the load, the look at the machine, the probe."""
+    monkeypatch.setattr(tiny_target_mod.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(tiny_target_mod.os, "getloadavg", lambda: (1.3, 1.0, 1.0))
+    monkeypatch.setattr(tiny_target_mod, "busy_cores_elsewhere", lambda: 0.12)
+    monkeypatch.setattr(tiny_target_mod, "parallel_speedup", lambda n: 1.21)
+    lines = []
+    with tiny_target_mod.cpu_threads(log=lines.append) as threads:
+        assert threads == 1
+    assert lines == ["CPU threads: 1 of 2 cores (load elsewhere 1.30; busy elsewhere now 0.12 cores; "
+                     "2 threads measured 1.21x one (needs 1.3x))"]
+    monkeypatch.setattr(tiny_target_mod.os, "getloadavg", lambda: (0.1, 0.1, 0.1))  # no look, a faster probe
+    monkeypatch.setattr(tiny_target_mod, "parallel_speedup", lambda n: 1.97)
+    choice = tiny_target_mod.thread_choice(0)
+    assert (choice.threads, choice.busy_elsewhere) == (2, None)
+    assert choice.describe() == "CPU threads: 2 of 2 cores (load elsewhere 0.10; 2 threads measured 1.97x one (needs 1.3x))"
+    monkeypatch.setattr(tiny_target_mod, "busy_cores_elsewhere", lambda: 1.0)
+    monkeypatch.setattr(tiny_target_mod.os, "getloadavg", lambda: (1.8, 1.0, 1.0))  # one core busy: no probe
+    assert tiny_target_mod.thread_choice(0).describe() == ("CPU threads: 1 of 2 cores (load elsewhere 1.80; "
+                                                           "busy elsewhere now 1.00 cores)")
+    assert tiny_target_mod.thread_choice(3).describe() == "CPU threads: 3 (requested)"
+
+
+def test_a_probe_that_found_no_speedup_is_taken_again_after_seconds_one_that_did_after_minutes(monkeypatch):
+    """demo7 of issue 38: a probe taken while something else briefly ran must not keep every stage at 1 thread."""
+    now = time.monotonic()
+    monkeypatch.setattr(tiny_target_mod, "_speedups", {2: (now - 30, 0.9), 3: (now - 30, 1.9), 4: (now - 5, 0.9)})
+    assert tiny_target_mod.parallel_speedup(3) == 1.9  # kept: threads paid 30 s ago
+    assert tiny_target_mod.parallel_speedup(4) == 0.9  # kept: 5 s ago
+    tiny_target_mod.parallel_speedup(2)  # measured again
+    assert tiny_target_mod._speedups[2][0] >= now
+
+
 def test_busy_cores_elsewhere_sees_another_process_spinning():
     import subprocess
     import sys
