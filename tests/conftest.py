@@ -86,7 +86,7 @@ SPREAD_MODULES = {"tests/flows/test_train_nodes.py", "tests/flows/test_gpu_confi
                   "tests/flows/test_interrupts.py", "tests/flows/test_disk_full.py", "tests/flows/test_stream_flow.py",
                   "tests/eagle3/training/test_train.py", "tests/eagle3/training/test_streaming.py",
                   "tests/eagle3/data/test_generate.py", "tests/eagle3/serving/test_decoding.py",
-                  "tests/eagle3/data/test_sglang_engine.py"}
+                  "tests/eagle3/data/test_sglang_engine.py", "tests/eagle3/data/test_sglang_engine_tp.py"}
 # The modules on the team setup (tests/team_servers.py: PostgreSQL, Prefect + MLflow servers, deploy-flows, a cpu
 # worker; ~25 s to start) in two units, each on one worker: one start each, and neither unit much longer than the
 # longest other work.

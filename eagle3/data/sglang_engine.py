@@ -19,21 +19,40 @@ and recorded in the shard manifest with SGLang's version.
 
 Tensor parallelism (tp > 1): one process per rank, as bench_one_batch spawns them; rank 0
 drives the dump and broadcasts each batch's rows over SGLang's TP group so every rank runs the
-same forward (`_Followers`, `_follow`). That part needs CUDA (SGLang's TP groups initialise
-pynccl) and is the only GPU-only glue here; tp 1 runs the same code on CPU
-(`SGLANG_USE_CPU_ENGINE=1`), which is how the tests run it.
+same forward (`_Followers`, `_follow`). A rank that dies must not leave the others waiting in a
+collective: rank 0 checks its followers around each load, batch and stop, and a dead one fails the
+capture in one line naming its rank and exit, the other followers killed and reaped; where rank 0
+cannot leave the wait (a rendezvous, an NCCL collective), a watch thread ends rank 0's process with
+that line after `stuck_grace_s`. Rank 0's own error kills the followers; rank 0's death ends them
+(PR_SET_PDEATHSIG, SGLang's `kill_itself_when_parent_died`).
+
+The same path runs on CPU, SGLang's own CPU tensor parallelism (its Xeon path), which is how the
+tests run tp 2 (tests/eagle3/data/test_sglang_engine_tp.py): `SGLANG_USE_CPU_ENGINE=1`, `--device
+cpu` (gloo groups: `srt/platforms/cpu.py`, `get_torch_distributed_backend_str`), the ranks' cores in
+SGLang's `SGLANG_CPU_OMP_THREADS_BIND` (e.g. "0|1"; `srt/utils/numa_utils.py`, `init_threads_binding`),
+the all-reduce gloo's, or sgl-kernel's shared-memory one where its CPU build and AMX are there
+(`parallel_state.py`, `GroupCoordinator.all_reduce`). A CPU host has no NCCL library, and SGLang's
+pynccl then disables itself; a CUDA build of torch brings one, so on `--device cpu` this module sets
+SGLang's `SGLANG_NCCL_SO_PATH` to none (`_NO_NCCL_ON_CPU`).
 
 Risk: these are SGLang internals, not its public API; they are pinned to SGLang 0.5.23
 (`SUPPORTED_SGLANG`) and checked at start, so another version fails loudly instead of
-capturing something else.
+capturing something else. The followers' failure handling is rehearsed on CPU only (gloo: a dead
+peer's closed socket fails the collective; the rendezvous is the wait that needs the watch thread);
+an NCCL collective on a dead peer is left to the same watch thread, not seen on a GPU here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.connection
 import os
+import signal
+import sys
+import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +62,15 @@ from eagle3.data.capture import aux_ids_to_hf_indices, default_aux_layer_ids
 
 SUPPORTED_SGLANG = "0.5.23"
 _STOP = None  # what rank 0 broadcasts to end the followers' loop
+_STUCK_GRACE_S = 30.0  # a follower dead this long while rank 0 waits in a collective: rank 0's process ends
+_DEATH_SHOWS_S = 2.0  # after a failed collective, how long a dying follower's exit may take to show
+_WATCH_TICK_S = 0.5
+_ENDED = "the capture stopped and the other ranks were ended"
+# SGLang's CPU TP expects no NCCL library on the machine (Xeon hosts, CPU torch): PyNcclCommunicator then
+# disables itself ("missing NCCL library, e.g. in a non-GPU environment", srt/distributed/device_communicators/
+# pynccl.py). A CUDA build of torch brings libnccl.so.2, which SGLang would bind to the CPU device and fail
+# ("Expected a cuda device, but got: cpu"); on `--device cpu` SGLang's own SGLANG_NCCL_SO_PATH names no library.
+_NO_NCCL_ON_CPU = "eagleops: --device cpu runs no NCCL"
 
 
 @dataclass(frozen=True)
@@ -72,6 +100,8 @@ class SGLangCaptureSettings:
             flags += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.trust_remote_code:
             flags.append("--trust-remote-code")
+        if self.device == "cpu":
+            flags.append("--disable-custom-all-reduce")  # a CUDA IPC all-reduce; SGLang warns when it cannot set it up
         return flags + list(self.extra_args)
 
 
@@ -99,15 +129,18 @@ class SGLangFeatureExtractor:
     Attributes as `eagle3.data.capture.TargetFeatureExtractor`: `architecture`,
     `num_hidden_layers`, `hidden_size`, `aux_layer_ids` (resolved SGLang ids), `hf_indices`
     (the capture indices SGLang hooked), `device`. Call `close()` when done (stops TP followers).
+    `stuck_grace_s`: at tp > 1, how long rank 0 may wait in a collective after a follower died
+    before its process ends (`_Followers`).
     """
 
-    def __init__(self, settings: SGLangCaptureSettings) -> None:
+    def __init__(self, settings: SGLangCaptureSettings, stuck_grace_s: float = _STUCK_GRACE_S) -> None:
         check_capture_ids(settings.aux_layer_ids)
         _prepare_sglang(settings.device)
         self.settings = settings
-        self._followers = _Followers.start(settings) if settings.tp > 1 else None
-        self.runner = _load_runner(settings, tp_rank=0)
-        self._describe()
+        self._followers = _Followers.start(settings, stuck_grace_s) if settings.tp > 1 else None
+        with self._with_followers():
+            self.runner = _load_runner(settings, tp_rank=0)
+            self._describe()
 
     def _describe(self) -> None:
         config = self.runner.model_config.hf_config
@@ -136,9 +169,18 @@ class SGLangFeatureExtractor:
             raise ValueError(f"a capture batch of {total} tokens does not fit the runner's KV pool "
                              f"({self.settings.max_batch_tokens} tokens): lower data.capture_batch_size or raise "
                              "data.capture.max_batch_tokens")
-        if self._followers is not None:
-            self._followers.broadcast(rows)
-        return _capture(self.runner, rows)
+        with self._with_followers():
+            if self._followers is not None:
+                self._followers.broadcast(rows)
+            return _capture(self.runner, rows)
+
+    @property
+    def follower_pids(self) -> list[int]:
+        """The process ids of TP ranks 1..tp-1 (none at tp 1)."""
+        return [p.pid for p in self._followers.processes] if self._followers is not None else []
+
+    def _with_followers(self) -> contextlib.AbstractContextManager:
+        return self._followers.guard() if self._followers is not None else contextlib.nullcontext()
 
     def engine_record(self) -> dict:
         import sglang
@@ -147,9 +189,9 @@ class SGLangFeatureExtractor:
                 "tp": self.settings.tp, "launch_flags": self.settings.launch_flags()}
 
     def close(self) -> None:
-        if self._followers is not None:
+        """Stop the TP followers and reap them (nothing to do at tp 1, or once they were ended)."""
+        if self._followers is not None and not self._followers.stopped:
             self._followers.stop()
-            self._followers = None
 
     def __enter__(self) -> SGLangFeatureExtractor:
         return self
@@ -162,9 +204,10 @@ class SGLangFeatureExtractor:
 
 
 def _prepare_sglang(device: str) -> None:
-    """SGLang's CPU engine switch must be set before sglang is imported; the version must be the pinned one."""
+    """SGLang's CPU switches must be set before sglang is imported; the version must be the pinned one."""
     if device == "cpu":
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        os.environ.setdefault("SGLANG_NCCL_SO_PATH", _NO_NCCL_ON_CPU)
     import sglang
 
     if sglang.__version__ != SUPPORTED_SGLANG:
@@ -274,43 +317,138 @@ def _checked_states(out, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Ten
     return aux, last
 
 
-# --------------------------------------------------------------------------- tensor parallel (CUDA only)
+# --------------------------------------------------------------------------- tensor parallel
 
 
 class _Followers:
-    """TP ranks 1..tp-1 in processes of their own, each running rank 0's batches (`_follow`)."""
+    """TP ranks 1..tp-1 in processes of their own, each running rank 0's batches (`_follow`), watched.
 
-    def __init__(self, processes: list) -> None:
-        self.processes = processes
+    Rank 0 works with them only inside `guard()`: a follower found dead there (before the work, or
+    after it failed, e.g. a gloo collective whose peer's socket closed) ends the others and raises one
+    line naming its rank and exit; rank 0's own error ends them too. A collective that cannot fail
+    (NCCL waits on a dead peer forever) is the watch thread's: when a follower has died and rank 0 is
+    still inside `guard()` `stuck_grace_s` later, it writes the same line to stderr and ends this
+    process -- the only way out of such a wait. The followers end themselves when rank 0's process dies
+    (SGLang's `kill_itself_when_parent_died`, PR_SET_PDEATHSIG).
+    """
+
+    def __init__(self, processes: list, stuck_grace_s: float) -> None:
+        self.processes = processes  # rank k at index k-1
+        self.stuck_grace_s = stuck_grace_s
+        self.failure: str | None = None  # why they were ended early; no batch runs after it
+        self._busy = False  # rank 0 is inside guard()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="eagleops-tp-watch", daemon=True).start()
 
     @classmethod
-    def start(cls, settings: SGLangCaptureSettings) -> _Followers:
+    def start(cls, settings: SGLangCaptureSettings, stuck_grace_s: float) -> _Followers:
         os.environ.setdefault("EAGLEOPS_CAPTURE_NCCL_PORT", str(_free_port()))
         context = multiprocessing.get_context("spawn")
-        processes = [context.Process(target=_follow, args=(settings, rank), daemon=True)
+        processes = [context.Process(target=_follow, args=(settings, rank), daemon=True, name=f"sglang-tp{rank}")
                      for rank in range(1, settings.tp)]
         for process in processes:
             process.start()
-        return cls(processes)
+        return cls(processes, stuck_grace_s)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Rank 0's work with the followers (its load, a batch, the stop): a dead follower fails it in one line."""
+        if self.failure is not None or self._stopped.is_set():
+            raise RuntimeError(f"SGLang capture: the TP followers were ended ({self.failure or 'closed'}); "
+                               "open a new engine")
+        if death := self.death(wait=0):
+            self.kill(death)
+            raise RuntimeError(f"{death}; {_ENDED}")
+        self._busy = True
+        try:
+            yield
+        except BaseException as err:
+            # a collective that failed because a follower died: its exit shows a moment after its socket closed
+            death = self.death(wait=_DEATH_SHOWS_S)
+            self.kill(death or f"rank 0 failed: {type(err).__name__}: {err}".splitlines()[0])
+            if death:
+                raise RuntimeError(f"{death}; {_ENDED}") from err
+            raise
+        finally:
+            self._busy = False
 
     def broadcast(self, rows: list[list[int]] | None) -> None:
         from sglang.srt.distributed import get_tp_group
 
         get_tp_group().broadcast_object(rows, src=0)
 
-    def stop(self) -> None:
-        self.broadcast(_STOP)
+    def death(self, wait: float) -> str | None:
+        """The first follower that has exited, in words (waiting up to `wait` s for one to), else None."""
+        multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=wait)
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                return f"{_rank_words(rank, process)} {_exit_words(process.exitcode)}"
+        return None
+
+    def kill(self, reason: str) -> None:
+        """End every follower now and reap it (one of them died, or rank 0 failed)."""
+        self.failure = reason
+        self._stopped.set()
         for process in self.processes:
-            process.join(timeout=60)
             if process.is_alive():
                 process.kill()
+        for process in self.processes:
+            process.join(timeout=30)
+
+    def stop(self) -> None:
+        """Rank 0's stop: every follower leaves its loop and exits (killed if still running 60 s later)."""
+        with self.guard():
+            self._stopped.set()  # the followers' exits from here on are the expected ones
+            self.broadcast(_STOP)
+        for process in self.processes:
+            process.join(timeout=60)
+        if any(process.is_alive() for process in self.processes):
+            self.kill("a follower did not stop within 60 s")
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode != 0:
+                raise RuntimeError(f"{_rank_words(rank, process)} {_exit_words(process.exitcode)} while stopping")
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def _watch(self) -> None:
+        """Ends this process when a follower died while rank 0 waits, past the grace, in a collective."""
+        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        stuck = 0.0
+        while not self._stopped.wait(_WATCH_TICK_S):
+            stuck = stuck + _WATCH_TICK_S if self._busy else 0.0
+            if stuck >= self.stuck_grace_s:
+                death = self.death(wait=0) or "SGLang capture: a TP follower exited"
+                for process in self.processes:
+                    if process.is_alive():
+                        process.kill()
+                print(f"{death}; rank 0 still waited on it {self.stuck_grace_s:g} s later (a "
+                      "rendezvous or collective a dead rank never joins), so this process ends",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+
+def _rank_words(rank: int, process) -> str:
+    return f"SGLang capture: TP rank {rank} (pid {process.pid})"
+
+
+def _exit_words(exitcode: int) -> str:
+    """multiprocessing's exit code in words: -9 -> 'was killed by SIGKILL', 1 -> 'exited with code 1'."""
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    if exitcode == 0:
+        return "exited before rank 0 stopped it"
+    return f"exited with code {exitcode} (its traceback is above)"
 
 
 def _follow(settings: SGLangCaptureSettings, rank: int) -> None:
     """A follower rank: the same runner, the same forwards as rank 0, until rank 0 says stop."""
-    from sglang.srt.distributed import get_tp_group
-
     _prepare_sglang(settings.device)
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.utils import kill_itself_when_parent_died
+
+    kill_itself_when_parent_died()  # rank 0's process gone (even SIGKILL): this rank goes too
     runner = _load_runner(settings, tp_rank=rank)
     while (rows := get_tp_group().broadcast_object(None, src=0)) is not _STOP:
         _capture(runner, rows)
