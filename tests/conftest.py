@@ -168,6 +168,18 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped, but on this machine only GPU-only tests may skip (EAGLEOPS_ONLY_GPU_SKIPS): {reason}"
 
 
+@pytest.fixture(autouse=True)
+def events_to_the_current_api():
+    """Prefect keeps one EventsWorker per process for a running server, its client bound to the PREFECT_API_URL of
+    the moment it started: after a test that pointed the URL at a team server (temporary_settings), every later test
+    in that worker would send its events there (CI: the registry-outage nightly's champion event never reached the
+    harness). Drained after each test (flushing what it emitted), the next emit starts one for the URL of its time."""
+    yield
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness

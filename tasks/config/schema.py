@@ -395,6 +395,9 @@ class ExperimentConfig(StrictModel):
         if self.bench.min_speedup is not None and not self.deploy.baseline:
             raise ValueError("bench.min_speedup needs a baseline to compare with, and deploy.baseline is false; set "
                              "deploy.baseline: true or drop bench.min_speedup")
+        if self.bench.plan is not None and not self.deploy.baseline:
+            raise ValueError("bench.plan predicts each setting against the baseline (speculation off is one of its "
+                             "picks), and deploy.baseline is false; set deploy.baseline: true or drop bench.plan")
         if self.target.shape and self.data.max_length > self.target.shape.max_position_embeddings:
             raise ValueError(f"data.max_length ({self.data.max_length}) exceeds the target's context "
                              f"target.shape.max_position_embeddings ({self.target.shape.max_position_embeddings})")

@@ -2,7 +2,7 @@
 
 One run of every stage through the flow, under the recording view (tasks/config/reads.py): the
 data stage regenerating through a server it starts, training, both export formats, a deploy and a
-benchmark (with a bench.sweep setting) over a real sshd on 127.0.0.1. The pipeline records each
+benchmark (with a bench.sweep setting) and a serving plan over a real sshd on 127.0.0.1. The pipeline records each
 attempt's reads in the manifest and, with EAGLEOPS_STRICT_STAGE_READS (set for the whole suite in
 tests/conftest.py), fails a stage that read a field its StageSpec neither takes as input nor lists
 as operational; here the same check is asserted per stage, and shown to catch every declared field
@@ -57,9 +57,10 @@ deploy:
   port: {port}
   speculative: {{num_steps: 3, eagle_topk: 1, num_draft_tokens: 4}}
   startup_timeout_s: 240
-  baseline: false
+  baseline: true   # bench.plan predicts against it
 bench: {{num_prompts: 2, max_new_tokens: 16, warmup_runs: 0, timed_runs: 1, offline_reference: false,
-         sweep: [{{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}]}}
+         sweep: [{{num_steps: 2, eagle_topk: 1, num_draft_tokens: 3}}], sla: {{itl_ms_p99: 5000}}, plan_tolerance: 0.5,
+         plan: {{num_steps: [1, 2, 3], eagle_topk: [1], num_draft_tokens: [4], check_top: 1, held_out: 1}}}}
 tracking: {{uri: "sqlite:///{runs}/mlflow.db", experiment_name: reads-test}}
 hosts:
   - {{name: gpu-ssh, address: {address}, port: {ssh_port}, user: {user}, key_file: {key_file},

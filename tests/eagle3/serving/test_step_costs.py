@@ -43,8 +43,11 @@ def test_server_timings_per_round_add_up_to_what_the_client_counted(chain_server
     for name in ("iteration_s", "target_verify_s", "eagle_draft_s", "draft_step_s", "other_s"):
         assert costs[name]["min"] <= costs[name]["median"] <= costs[name]["max"], name
     assert costs["draft_step_s"]["median"] == pytest.approx(costs["eagle_draft_s"]["median"] / 3)
-    # the forwards are part of each iteration the client waited for: what is left over is not negative
-    assert costs["other_s"]["min"] > -0.05 * costs["iteration_s"]["median"]
+    # the forwards ran inside the rounds the client timed. (other_s itself may dip below 0 on a loaded machine:
+    # the server's iterations are verify calls / concurrency, fewer than it ran when the two requests of a round
+    # did not overlap for their whole life; CI once measured -2.1 ms against a 6.3 ms iteration.)
+    for run, delta in zip(result.runs, deltas):
+        assert 0 < sum(delta["forward_s"].values()) <= run.wall_s
 
 
 def _request(itl: list[float], verifies: int | None) -> RequestResult:

@@ -95,6 +95,10 @@ BROKEN = [
      "train.draft.q_lora_rank is an MLA dimension: set train.draft.architecture: deepseek_mla"),
     ("  ttt_steps: 7", "  ttt_steps: 7\n  draft:\n    architecture: mla", 11,
      "train.draft.architecture: must be 'llama' or 'deepseek_mla' (got 'mla')"),
+    ("    num_draft_tokens: 4\nbench:\n  concurrency: [1]", "    num_draft_tokens: 4\n  baseline: false\nbench:\n"
+     "  concurrency: [1]\n  plan: {num_steps: [1, 2]}", 19,
+     "bench.plan predicts each setting against the baseline (speculation off is one of its picks), and "
+     "deploy.baseline is false"),
     ("  ttt_steps: 7", "  ttt_steps: [7", 9, "invalid YAML"),  # the line the bracket opens
 ]
 
