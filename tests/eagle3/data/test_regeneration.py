@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from test_generate import _data_cfg
 
 from eagle3.config import RegenerateConfig, TargetConfig
 from eagle3.data.generate import generate_dataset
-from eagle3.data.regeneration import RegenerationLog, regenerate_http
+from eagle3.data.regeneration import RegenerationLog, regenerate_http, regenerate_local
+from eagle3.data.target import load_target
 from eagle3.data.server_pool import post_chat_completion
 from tests.helpers import serve_in_thread
 
@@ -43,6 +46,45 @@ def test_regeneration_log_cut_mid_line_is_dropped_and_rewritten(tmp_path):
     path.write_text(lines[0] + "\n" + lines[1][:-1] + "\n" + lines[2] + "\n")
     with pytest.raises(ValueError, match=r"regenerated\.jsonl:2: corrupt regeneration record"):
         RegenerationLog(path)
+
+
+def _regenerate_at(threads, tiny_target_dir, tmp_path, name, temperature=0.0):
+    """regenerate_local over 24 prompts in batches of 4 with torch at `threads` threads -> (answers, ids, the
+    threads that reported progress)."""
+    model, tokenizer = load_target(tiny_target_dir)
+    prompts = [[{"role": "user", "content": f"question {i}: " + "why " * (i % 7)}] for i in range(24)]
+    record = RegenerationLog(tmp_path / f"{name}.jsonl")
+    reporters = set()
+
+    def progress(stage, done, total):
+        reporters.add(threading.current_thread().name)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        regenerate_local(model, tokenizer, prompts, RegenerateConfig(max_new_tokens=12, batch_size=4,
+                                                                     temperature=temperature),
+                         128, [tokenizer.eos_token_id], record, progress)
+    finally:
+        torch.set_num_threads(previous)
+        record.close()
+    assert torch.get_num_threads() == previous
+    return record.done, record.token_ids, reporters
+
+
+def test_local_regeneration_in_parallel_streams_answers_as_one_stream(tiny_target_dir, tmp_path):
+    """On CPU each of the stage's threads decodes its own batches at one thread (issue 38): the same answers,
+    the same ids, whichever stream ran a batch; sampled answers stay on one stream (one RNG, taken in turn)."""
+    one, one_ids, one_reporters = _regenerate_at(1, tiny_target_dir, tmp_path, "one")
+    two, two_ids, two_reporters = _regenerate_at(2, tiny_target_dir, tmp_path, "two")
+    assert len(one) == 24 and any(one.values())
+    assert two == one and two_ids == one_ids
+    caller = threading.current_thread().name  # it reports the answers found done before any batch
+    assert one_reporters == {caller}
+    streams = two_reporters - {caller}
+    assert streams and all(name.startswith("regenerate") for name in streams)
+    *_, sampled_reporters = _regenerate_at(2, tiny_target_dir, tmp_path, "sampled", temperature=0.7)
+    assert sampled_reporters == {caller}
 
 
 @pytest.fixture()
