@@ -58,6 +58,11 @@ def _config(directory: Path, port: int, extra: list[str]) -> str:
         "MaxSessions 64",
         "MaxStartups 64",
         "LogLevel VERBOSE",
+        # Each session's bash reads the user's ~/.bashrc; where that runs `pyenv init` (this machine and CI's), it
+        # rehashes under a lock file, and a session killed mid-rehash (the kill tests) leaves the lock behind: every
+        # later session then waited PYENV_REHASH_TIMEOUT, 60 s by default, per remote command (a CI run stalled on it
+        # for minutes). 0: one try, at most a second.
+        "SetEnv PYENV_REHASH_TIMEOUT=0",
         f"Subsystem sftp {sftp}",
         *extra,
     ]
