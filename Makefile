@@ -40,9 +40,7 @@ ui: install
 # tests (tests/browser) drive Debian's headless chromium through chromedriver. Everything but a GPU
 # is installed here, so only GPU-only tests may skip (EAGLEOPS_ONLY_GPU_SKIPS: any other skip fails).
 test: install
-	command -v sshd || test -x /usr/sbin/sshd || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssl)
-	test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
-	command -v prometheus || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus)
+	bash infra/install-test-tools.sh
 	EAGLEOPS_ONLY_GPU_SKIPS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 test-fast: install
