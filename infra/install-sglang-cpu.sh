@@ -19,7 +19,7 @@
 #
 # Idempotent: a stamp file holding the package list marks a finished install; a second run
 # with the same list returns at once, a changed list reinstalls into the same venv.
-# Quiet: pip's output goes to VENV_DIR/install.log, whose tail is printed when a step fails.
+# Quiet: the installers' output goes to VENV_DIR/install.log, whose tail is printed when a step fails.
 set -euo pipefail
 
 if [[ $# -ne 1 || -z "$1" ]]; then
@@ -95,7 +95,12 @@ mkdir -p "$VENV_DIR"
 : >"$LOG"
 rm -f "$STAMP"
 step "create venv" "$PYTHON" -m venv "$VENV_DIR"
-PIP=("$VENV_DIR/bin/python" -m pip install -q --disable-pip-version-check)
+# The packages go in with uv, told where this machine's pip takes them from (infra/uv_pip_args.py), as
+# `make install` does: the same 116 packages as pip's, in 58 s instead of 172 on a fresh 2-core machine
+# (pip's CPU was mostly compiling bytecode for all of torch; a module is compiled here when first imported).
+step "uv" "$VENV_DIR/bin/python" -m pip install -q --disable-pip-version-check uv==0.13.9
+read -r -a UV_PIP_ARGS <<<"$("$VENV_DIR/bin/python" "$(dirname "$0")/uv_pip_args.py")"
+PIP=("$VENV_DIR/bin/uv" pip install -q --python "$VENV_DIR/bin/python" "${UV_PIP_ARGS[@]}")
 CONSTRAINTS="$VENV_DIR/constraints.txt"
 printf '%s\n' "${TORCH_SPECS[@]}" >"$CONSTRAINTS"
 step "torch and torchvision" "${PIP[@]}" "${TORCH_SPECS[@]}"
