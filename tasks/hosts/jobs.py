@@ -48,9 +48,21 @@ def new_log_lines(executor: Executor, log_file: str, offset: int) -> tuple[list[
     with contextlib.suppress(CommandFailed):
         text = executor.run(["tail", "-c", f"+{offset + 1}", log_file], check=True, log_output=False,
                             timeout=60).stdout
-        complete = text[: text.rfind("\n") + 1]
-        return complete.splitlines(), offset + len(complete.encode())
+        return complete_lines(text, offset)
     return [], offset
+
+
+def watch_once(executor: Executor, pid: int, log_file: str, offset: int) -> tuple[bool, list[str], int]:
+    """One poll of a job in one command: whether process `pid` still runs, then (read after that) the complete
+    lines of `log_file` after byte `offset` and the offset after them."""
+    alive, text = executor.watch_log(pid, log_file, offset)
+    return (alive, *complete_lines(text, offset))
+
+
+def complete_lines(text: str, offset: int) -> tuple[list[str], int]:
+    """The complete lines of `text` (read from byte `offset`), and the offset after them."""
+    complete = text[: text.rfind("\n") + 1]
+    return complete.splitlines(), offset + len(complete.encode())
 
 
 @dataclass
@@ -96,8 +108,7 @@ class HostJob:
 
     def poll(self, on_event: Callable[[dict], None], on_line: Callable[[str], None]) -> bool:
         """Relay the log lines written since the last poll; whether the job still runs."""
-        alive = self.executor.is_alive(self.pid)  # read after the check: the last lines are never missed
-        lines, self._offset = new_log_lines(self.executor, self.log_file, self._offset)
+        alive, lines, self._offset = watch_once(self.executor, self.pid, self.log_file, self._offset)
         for line in lines:
             event = _event(line)
             if event is None:

@@ -163,6 +163,16 @@ _ALIVE_SCRIPT = """kill -0 "$1" 2>/dev/null || exit 1
 case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) exit 1;; esac
 exit 0
 """
+# One poll of a watched job in one command instead of two (on an SSH host each command is a session and a start of
+# the user's shell): "1" or "0" on the first line, whether process $1 runs (as _ALIVE_SCRIPT), then log $2 from byte
+# $3 on (tail -c +N), read after that check so no line written before the process ended is missed. Exit 3: no log.
+_WATCH_SCRIPT = """alive=1
+kill -0 "$1" 2>/dev/null || alive=0
+case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) alive=0;; esac
+echo "$alive"
+[ -f "$2" ] || exit 3
+exec tail -c "+$3" "$2"
+"""
 # A process's identity: the host's boot id and the process's start time in clock ticks since boot
 # (/proc/PID/stat field 22, read after the last ") " since the command name may hold spaces and
 # parentheses). A pid is reused only by a process started later, so a different identity means

@@ -27,6 +27,7 @@ from tasks.hosts.remote.commands import (
     _KILL_GROUP_SCRIPT,
     _PORT_PY,
     _READ_SCRIPT,
+    _WATCH_SCRIPT,
     KILL_AFTER_S,
     MISSING,
     NOT_OURS,
@@ -66,6 +67,7 @@ class Executor(Protocol):
     def start_detached(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                        log_file: str, pid_file: str) -> int: ...
     def is_alive(self, pid: int) -> bool: ...
+    def watch_log(self, pid: int, log_file: str, offset: int) -> tuple[bool, str]: ...
     def process_identity(self, pid: int) -> str | None: ...
     def kill_group(self, pid: int, timeout: float = 15, identity: str | None = None) -> bool: ...
     def read_file(self, path: str, tail_lines: int | None = None, from_line: int | None = None) -> str: ...
@@ -144,6 +146,14 @@ class _ExecutorBase(_VerifiedTransfers):
 
     def is_alive(self, pid: int) -> bool:
         return self.run(_sh(_ALIVE_SCRIPT, int(pid)), check=False, log_output=False, timeout=30).exit_status == 0
+
+    def watch_log(self, pid: int, log_file: str, offset: int) -> tuple[bool, str]:
+        """Whether process `pid` runs, and the text of `log_file` after byte `offset` (read after that check; ''
+        when the log cannot be read), in one command: a watch polls both, several times a second."""
+        result = self.run(_sh(_WATCH_SCRIPT, int(pid), log_file, int(offset) + 1), check=False, log_output=False,
+                          timeout=60)
+        status, _, text = result.stdout.partition("\n")
+        return status == "1", text if result.exit_status == 0 else ""
 
     def process_identity(self, pid: int) -> str | None:
         """`boot id:start time` of process `pid` on the host (None: no such process), to recognise it later."""

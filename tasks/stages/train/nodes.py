@@ -41,7 +41,7 @@ from eagle3.training.schedule import DataPlan, planned_steps
 from eagle3.training.torchrun import NODE_STATUS
 from eagle3.training.train import relay_history_rows
 from tasks.config.schema import ExperimentConfig
-from tasks.hosts.jobs import new_log_lines, poll_delay
+from tasks.hosts.jobs import new_log_lines, poll_delay, watch_once
 from tasks.hosts.remote import (
     CommandFailed,
     Executor,
@@ -319,18 +319,19 @@ def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total
     while running:
         time.sleep(poll_delay(started, POLL_S))
         now = time.monotonic()
+        ended = []
         for node in nodes:
-            if _relay_log(node):
+            alive, grew = _watch_node(node) if node.rank in running else (False, _relay_log(node))
+            if grew:
                 last_output[node.rank] = now
+            if not alive and node.rank in running:
+                ended.append(node)
         if metrics.poll():
             last_output[nodes[0].rank] = now
         if capture is not None:
             capture.poll()
         _check_stalled(nodes, running, last_output, stall_timeout_s)
-        for node in [n for n in nodes if n.rank in running]:
-            if node.executor.is_alive(node.pid):
-                continue
-            _relay_log(node)
+        for node in ended:
             status = _node_status(node)
             if status is None or status["returncode"] != 0:
                 raise NodeFailed(_failure_message(node, status))
@@ -356,9 +357,19 @@ def _check_stalled(nodes: list[Node], running: set[int], last_output: dict[int, 
                      f"{_log_tail(quiet)}")
 
 
+def _watch_node(node: Node) -> tuple[bool, bool]:
+    """Whether the node's launcher still runs, then its new log lines into the run log (read after that check, so
+    an ended node's last lines are in): (alive, whether there were any)."""
+    alive, lines, offset = watch_once(node.executor, node.pid, node.log_file, node.log_offset)
+    return alive, _relay_lines(node, lines, offset)
+
+
 def _relay_log(node: Node) -> bool:
     """New complete lines of the node's log into the run log; whether there were any."""
-    lines, offset = new_log_lines(node.executor, node.log_file, node.log_offset)
+    return _relay_lines(node, *new_log_lines(node.executor, node.log_file, node.log_offset))
+
+
+def _relay_lines(node: Node, lines: list[str], offset: int) -> bool:
     for line in lines:
         logger().info("[%s] %s", node.label(), line)
     grew, node.log_offset = offset != node.log_offset, offset

@@ -39,6 +39,31 @@ def test_start_detached_is_alive_and_kill_group(executor, tmp_path, caplog):
     executor.kill_group(pid)  # idempotent
 
 
+def test_watch_log_reads_liveness_then_the_log_from_an_offset(executor, tmp_path):
+    """A watch's poll in one command: whether the process runs, and its log after a byte offset, read after that
+    check (a process that ended has all its lines in); no log yet reads as nothing, not an error."""
+    log, pid_file, release = tmp_path / "job.log", tmp_path / "job.pid", tmp_path / "release"
+    script = f'printf "one\\ntwo\\n"; while [ ! -e {release} ]; do sleep 0.05; done; printf "three\\nfour"'
+    pid = executor.start_detached(["sh", "-c", script], log_file=str(log), pid_file=str(pid_file))
+    try:
+        for _ in range(200):
+            if log.exists() and log.read_text() == "one\ntwo\n":
+                break
+            threading.Event().wait(0.05)
+        assert executor.watch_log(pid, str(log), 0) == (True, "one\ntwo\n")
+        assert executor.watch_log(pid, str(log), 4) == (True, "two\n")
+        release.touch()
+        for _ in range(200):
+            alive, text = executor.watch_log(pid, str(log), 8)
+            if not alive:
+                break
+            threading.Event().wait(0.05)
+        assert (alive, text) == (False, "three\nfour")
+        assert executor.watch_log(pid, str(tmp_path / "no-such.log"), 0) == (False, "")
+    finally:
+        executor.kill_group(pid, timeout=10)
+
+
 def test_kill_group_escalates_to_sigkill(executor, tmp_path):
     pid = executor.start_detached(["sh", "-c", "trap '' TERM; sleep 3051"], log_file=str(tmp_path / "log"),
                                   pid_file=str(tmp_path / "pid"))
