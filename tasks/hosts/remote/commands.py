@@ -159,17 +159,17 @@ while [ ! -s "$pidfile" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done
 [ -s "$pidfile" ] || { echo "no pid in $pidfile after 10 s" >&2; exit 1; }
 cat "$pidfile"
 """
-_ALIVE_SCRIPT = """kill -0 "$1" 2>/dev/null || exit 1
-case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) exit 1;; esac
-exit 0
+# Whether process $1 runs: it exists and is not a zombie.
+_ALIVE_FUNCTION = """alive() {
+  kill -0 "$1" 2>/dev/null || return 1
+  case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) return 1;; esac
+}
 """
+_ALIVE_SCRIPT = _ALIVE_FUNCTION + 'alive "$1"\n'
 # One poll of a watched job in one command instead of two (on an SSH host each command is a session and a start of
-# the user's shell): "1" or "0" on the first line, whether process $1 runs (as _ALIVE_SCRIPT), then log $2 from byte
-# $3 on (tail -c +N), read after that check so no line written before the process ended is missed. Exit 3: no log.
-_WATCH_SCRIPT = """alive=1
-kill -0 "$1" 2>/dev/null || alive=0
-case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) alive=0;; esac
-echo "$alive"
+# the user's shell): "1" or "0" on the first line, whether process $1 runs, then log $2 from byte $3 on
+# (tail -c +N), read after that check so no line written before the process ended is missed. Exit 3: no log.
+_WATCH_SCRIPT = _ALIVE_FUNCTION + """if alive "$1"; then echo 1; else echo 0; fi
 [ -f "$2" ] || exit 3
 exec tail -c "+$3" "$2"
 """

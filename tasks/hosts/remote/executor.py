@@ -150,7 +150,7 @@ class _ExecutorBase(_VerifiedTransfers):
     def watch_log(self, pid: int, log_file: str, offset: int) -> tuple[bool, str]:
         """Whether process `pid` runs, and the text of `log_file` after byte `offset` (read after that check; ''
         when the log cannot be read), in one command: a watch polls both, several times a second."""
-        result = self.run(_sh(_WATCH_SCRIPT, int(pid), log_file, int(offset) + 1), check=False, log_output=False,
+        result = self.run(_sh(_WATCH_SCRIPT, int(pid), log_file, offset + 1), check=False, log_output=False,
                           timeout=60)
         status, _, text = result.stdout.partition("\n")
         return status == "1", text if result.exit_status == 0 else ""

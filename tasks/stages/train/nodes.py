@@ -321,11 +321,14 @@ def _watch(nodes: list[Node], on_metrics: MetricsFn, progress: ProgressFn, total
         now = time.monotonic()
         ended = []
         for node in nodes:
-            alive, grew = _watch_node(node) if node.rank in running else (False, _relay_log(node))
+            if node.rank in running:
+                alive, grew = _watch_node(node)
+                if not alive:
+                    ended.append(node)
+            else:
+                grew = _relay_log(node)
             if grew:
                 last_output[node.rank] = now
-            if not alive and node.rank in running:
-                ended.append(node)
         if metrics.poll():
             last_output[nodes[0].rank] = now
         if capture is not None:
