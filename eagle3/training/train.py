@@ -33,6 +33,7 @@ from eagle3.training.checkpoints import load_initial_weights
 from eagle3.training.streaming.dataset import StreamedDataset
 from eagle3.training.streaming.layout import STREAM_DIR
 from eagle3.training.curves import plot_training_curves
+from eagle3.training.error_file import WholeErrorFile
 from eagle3.training.torchrun import TORCHRUN_TAIL_LINES, describe_rank_failures, torchrun_command, torchrun_env
 from eagle3.training.trainer import MetricsFn, ProgressFn, Trainer
 
@@ -247,10 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--data-dir", "--target-dir", "--out-dir", "--config", "--aux-layer-ids", "--draft-vocab-size"):
         parser.add_argument(flag, required=True)
     args = parser.parse_args(argv)
-    _rank_main(args, [int(i) for i in args.aux_layer_ids.split(",")])
+    # a raising rank leaves its traceback in the error file torchrun names (see describe_rank_failures)
+    rank_main = record(_rank_main, error_handler=WholeErrorFile())
+    rank_main(args, [int(i) for i in args.aux_layer_ids.split(",")])
 
 
-@record  # a raising rank writes its traceback to the error file torchrun names (see describe_rank_failures)
 def _rank_main(args, aux_layer_ids: list[int]) -> None:
     cfg = TrainConfig.model_validate_json(Path(args.config).read_text())
     print(f"rank {os.environ.get('RANK', '0')}/{os.environ.get('WORLD_SIZE', '1')}: {torch.get_num_threads()} torch "

@@ -8,7 +8,10 @@ tests/flows/test_train_nodes.py's killed-rank test.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from eagle3.training.torchrun import describe_rank_failures, first_failure
 
+REPO = Path(__file__).resolve().parents[3]
 PEER_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:7580: Connection reset by peer"
 
 
@@ -97,3 +101,66 @@ def test_without_a_failure_report_every_rank_is_shown(tmp_path):
     described = describe_rank_failures(tmp_path / "logs", [])
     assert described.count("failed: no error file (killed by a signal?)") == 2
     assert "rank 1 was here" in described
+
+
+# A rank that raises while torchrun stops the group: its error file's write stalls (json.dump
+# writes the start of the JSON, then waits) and the test SIGTERMs it there, as torchrun does.
+_STOPPED_WHILE_WRITING = """
+import json, sys, time
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from eagle3.training.error_file import WholeErrorFile
+
+def stalled_dump(obj, fp, **kwargs):
+    fp.write('{"message": ')
+    fp.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+
+json.dump = stalled_dump
+handler = WholeErrorFile() if sys.argv[1] == "whole" else ErrorHandler()
+
+def rank_main():
+    raise RuntimeError("Connection reset by peer")
+
+record(rank_main, error_handler=handler)()
+"""
+
+
+def _stop_a_rank_while_it_writes_its_error_file(tmp_path: Path, handler: str) -> Path:
+    error_file = tmp_path / handler / "error.json"
+    error_file.parent.mkdir()
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PYTHONPATH": str(REPO)}
+    rank = subprocess.Popen([sys.executable, "-c", _STOPPED_WHILE_WRITING, handler], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert rank.stdout.readline().strip() == "writing"
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        rank.kill()
+        rank.stdout.close()
+    return error_file
+
+
+def test_a_rank_stopped_while_writing_its_error_file_leaves_none_for_torchrun_to_choke_on(tmp_path):
+    """torch's own handler leaves half a file there, and torchrun dies parsing it (no failure report)."""
+    half_written = _stop_a_rank_while_it_writes_its_error_file(tmp_path, "torch")
+    with pytest.raises(json.JSONDecodeError):  # what torchrun's ProcessFailure does with it
+        ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=str(half_written))
+
+    error_file = _stop_a_rank_while_it_writes_its_error_file(tmp_path, "whole")
+    assert not error_file.exists()
+    failure = ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=str(error_file))
+    assert failure.exitcode == -signal.SIGTERM and "Signal 15" in failure.message
+
+
+def test_a_rank_that_raises_leaves_a_whole_error_file_under_the_name_torchrun_reads(tmp_path):
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file), "PYTHONPATH": str(REPO)}
+    script = _STOPPED_WHILE_WRITING.replace("json.dump = stalled_dump", "")
+    rank = subprocess.run([sys.executable, "-c", script, "whole"], env=env, capture_output=True, text=True, timeout=120)
+
+    assert rank.returncode == 1 and "RuntimeError: Connection reset by peer" in rank.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["error.json"]
+    failure = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"] == "RuntimeError: Connection reset by peer" and failure.timestamp > 0
