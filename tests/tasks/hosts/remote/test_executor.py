@@ -39,6 +39,14 @@ def test_start_detached_is_alive_and_kill_group(executor, tmp_path, caplog):
     executor.kill_group(pid)  # idempotent
 
 
+def test_a_command_reads_the_stdin_given_and_an_empty_one_otherwise(executor):
+    """Without stdin a command reading it ends at once (an empty input, not a wait for the timeout); with it, it
+    reads every byte and then the end."""
+    assert executor.run(["cat"], timeout=20).stdout == ""
+    assert executor.run(["sh", "-c", "cat; echo end"], stdin=b"abc\n", timeout=20).stdout == "abc\nend\n"
+    assert executor.run(["sh", "-c", "cat && echo $?"], timeout=20).stdout == "0\n"
+
+
 def test_watch_log_reads_liveness_then_the_log_from_an_offset(executor, tmp_path):
     """A watch's poll in one command: whether the process runs, and its log after a byte offset, read after that
     check (a process that ended has all its lines in); no log yet reads as nothing, not an error."""
