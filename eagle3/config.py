@@ -543,8 +543,9 @@ class TrainConfig(StrictModel):
         None,
         pattern=r"^[^\s:]+:\d{1,5}$",
         description="address:port where node 0 hosts torchrun's store, reachable from every node; default: node "
-        "0's inventory address and port 29500; for a `local` node 0, the address the remote nodes' SSH servers see "
-        "this machine connect from (127.0.0.1 when every node is local).",
+        "0's inventory address and port 29500 (the next free one when taken); for a `local` node 0, the address the "
+        "remote nodes' SSH servers see this machine connect from (127.0.0.1 when every node is local). One node "
+        "without it runs torchrun --standalone, on a port the OS hands out.",
     )
     stall_timeout_s: float = Field(
         1800.0,

@@ -1,7 +1,7 @@
 """torchrun launches for eagle3.training.train, importable without torch (a node launcher needs no CUDA).
 
 `torchrun_command` builds one node's `python -m torch.distributed.run ... -m eagle3.training.train ...`:
-`--standalone` on this machine, or a `NodePlace` in a multi-node run. `run_node` (also
+`--standalone` on this machine, or a `NodePlace` in an orchestrated run. `run_node` (also
 `python -m eagle3.torchrun --node-rank I ...`) is what an orchestrator starts on each node:
 torchrun in the foreground of the launcher's process group, its output passed through, and
 `node_status.json` left behind saying how it ended. `describe_rank_failures` turns torchrun's
@@ -44,18 +44,22 @@ def torchrun_env(nproc: int, num_workers: int, environ: dict[str, str] | None = 
 
 @dataclass(frozen=True)
 class NodePlace:
-    """This machine's place in a multi-node torchrun: static rendezvous, node 0 hosts the store.
+    """This machine's place in an orchestrated torchrun: static rendezvous, node 0 hosts the store.
 
     Static, not c10d: global rank 0 (checkpoints, history.jsonl, summary.json) must be on node 0,
-    whose files the orchestrator reads; c10d hands out node ranks in joining order.
+    whose files the orchestrator reads; c10d hands out node ranks in joining order. A single node
+    given no master address runs `--standalone`: its store binds a port the OS hands out, so two
+    trainings starting at once on one host never race for one port.
     """
 
     nnodes: int
     node_rank: int
-    master_addr: str
-    master_port: int
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def torchrun_args(self) -> list[str]:
+        if self.master_addr is None:
+            return ["--standalone"]
         return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}", f"--master-addr={self.master_addr}",
                 f"--master-port={self.master_port}"]
 
@@ -78,7 +82,7 @@ TORCHRUN_TAIL_LINES = 2000  # of torchrun's output kept for its failure report (
 
 def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path, aux_layer_ids: list[int],
              draft_vocab_size: int, node: NodePlace) -> int:
-    """One node of a multi-node run, started by an orchestrator (detached, as its process group's leader).
+    """One node of an orchestrated run, started by an orchestrator (detached, as its process group's leader).
 
     Runs torchrun in the foreground of this process group, so the orchestrator's kill of the group
     reaches torchrun, every rank and their loader workers. Leaves out_dir/node_status.json
@@ -219,17 +223,22 @@ def _error_message(error_file: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m eagle3.torchrun --node-rank I --nnodes N --master-addr A --master-port P --data-dir D ...`:
-    one node of a multi-node run (run_node); its exit code is torchrun's."""
+    """`python -m eagle3.torchrun --node-rank I --nnodes N [--master-addr A --master-port P] --data-dir D ...`:
+    one node of an orchestrated run (run_node); its exit code is torchrun's."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    for flag in ("--data-dir", "--target-dir", "--out-dir", "--config", "--aux-layer-ids", "--draft-vocab-size",
-                 "--master-addr"):
+    for flag in ("--data-dir", "--target-dir", "--out-dir", "--config", "--aux-layer-ids", "--draft-vocab-size"):
         parser.add_argument(flag, required=True)
-    for flag in ("--node-rank", "--nnodes", "--master-port"):
+    for flag in ("--node-rank", "--nnodes"):
         parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--master-addr", help="node 0's address; without it (one node only) --standalone")
+    parser.add_argument("--master-port", type=int)
     args = parser.parse_args(argv)
+    if (args.master_addr is None) != (args.master_port is None):
+        parser.error("--master-addr and --master-port go together")
+    if args.master_addr is None and args.nnodes != 1:
+        parser.error("--master-addr and --master-port are needed with more than one node")
     node = NodePlace(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     return run_node(Path(args.data_dir), Path(args.target_dir), Path(args.config), Path(args.out_dir),
                     [int(i) for i in args.aux_layer_ids.split(",")], int(args.draft_vocab_size), node)

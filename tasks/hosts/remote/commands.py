@@ -147,6 +147,34 @@ try:
 except OSError:
     sys.exit(3)
 """
+# Who listens on TCP port argv[1]: "group" (a process of process group argv[2] holds the listening
+# socket), "other" or "nobody"; from /proc (Linux): the socket inodes listening on the port, then
+# the fds of the group's processes.
+_PORT_LISTENER_PY = """import os, sys
+port, group = int(sys.argv[1]), int(sys.argv[2])
+inodes = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    try:
+        rows = open(table).read().splitlines()[1:]
+    except OSError:
+        continue
+    for row in rows:
+        fields = row.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+            inodes.add("socket:[%s]" % fields[9])
+def held_by_group():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != group:
+                continue
+            fds = "/proc/%s/fd" % pid
+            if any(os.readlink(os.path.join(fds, fd)) in inodes for fd in os.listdir(fds)):
+                return True
+        except OSError:
+            continue
+    return False
+print("nobody" if not inodes else "group" if held_by_group() else "other")
+"""
 # The child writes its own pid (it is the new session's leader, so pid == process group id)
 # before exec'ing the command; the parent waits for that file instead of trusting `$!`.
 _DETACH_SCRIPT = """log=$1; pidfile=$2; dir=$3; shift 3

@@ -25,6 +25,7 @@ from tasks.hosts.remote.commands import (
     _DETACH_SCRIPT,
     _IDENTITY_SCRIPT,
     _KILL_GROUP_SCRIPT,
+    _PORT_LISTENER_PY,
     _PORT_PY,
     _READ_SCRIPT,
     _WATCH_SCRIPT,
@@ -81,6 +82,8 @@ class Executor(Protocol):
     def download_dir(self, remote_dir: str, local_dir: str | Path,
                      progress: Progress | None = None) -> list[DownloadResult]: ...
     def port_in_use(self, port: int) -> bool: ...
+    def port_listener(self, port: int, group: int) -> str: ...
+    def first_free_port(self, port: int, tries: int = 200) -> int: ...
     def forward(self, remote_port: int) -> ContextManager[int]: ...
     def close(self) -> None: ...
 
@@ -182,6 +185,15 @@ class _ExecutorBase(_VerifiedTransfers):
         """Whether binding 127.0.0.1:`port` on that host fails (something already serves it)."""
         return self.run([self.python, "-c", _PORT_PY, str(int(port))], check=False, log_output=False,
                         timeout=60).exit_status == MISSING
+
+    def port_listener(self, port: int, group: int) -> str:
+        """Who listens on TCP `port` at that host: "group" (a process of process group `group`), "other" or
+        "nobody" -- whether a server started there took its port or something else holds it (Linux /proc)."""
+        answer = self.run([self.python, "-c", _PORT_LISTENER_PY, str(int(port)), str(int(group))], log_output=False,
+                          timeout=60).stdout.strip()
+        if answer not in ("group", "other", "nobody"):
+            raise RemoteError(f"[{self.name}] port listener probe answered {answer!r}")
+        return answer
 
     def first_free_port(self, port: int, tries: int = 200) -> int:
         """The first port from `port` on that nothing listens on at this host (another run's servers or

@@ -10,7 +10,8 @@ holds the checkpoints, history.jsonl and summary.json. In order:
 3. resume: node 0's checkpoints are copied here, then to every node (ranks check they resumed
    from the same step); launchers left by an earlier, killed attempt are stopped first;
 4. launch `python -m eagle3.torchrun --node-rank i ...` detached on each node (its own process
-   group: torchrun, ranks, loader workers), recorded in `<stage>/nodes.json`;
+   group: torchrun, ranks, loader workers), node 0 first (see the rendezvous below), recorded in
+   `<stage>/nodes.json`;
 5. until every launcher exits: relay each node's log into the run log, rank 0's new history rows
    into MLflow, watch each launcher; the first failure stops every node and raises naming the
    node, its host, the failed rank and its log tail; so does a stall -- no node's log grew and no
@@ -23,7 +24,10 @@ Whatever ends the stage -- success, a failure, Ctrl-C -- no launcher is left run
 The rendezvous (`train.rendezvous`, else `_master`): node 0's inventory address; a `local` node 0
 with remote nodes is this machine as those nodes reach it -- the client address their SSH server
 sees (SSH_CONNECTION), never 127.0.0.1, where each remote node would dial itself. Its port: 29500, or the
-next one free on node 0 when another training's store (or anything else) holds it there.
+next one free on node 0 when another training's store (or anything else) holds it there; node 0 starts
+first, and the others only once it listens there (a second training starting on that host at the same
+moment may take the port between the check and the bind: node 0 then moves to the next free one). One
+node and no `train.rendezvous`: torchrun `--standalone`, whose store takes a port the OS hands out.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from tasks.runner.context import StageContext
 from tasks.stages.train.stream import CaptureSide, StreamPlace, capture_side
 
 DEFAULT_MASTER_PORT = 29500
+MASTER_PORT_TRIES = 5  # ports node 0 tries when other processes take each one first
 POLL_S = 2.0
 NODES_FILE = "nodes.json"  # launchers of the current attempt, for stopping leftovers
 MetricsFn = Callable[[int, dict[str, float]], None]
@@ -103,11 +108,19 @@ def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, 
         inputs = [_stage_inputs(cfg, ctx, node, dataset_dir, target_dir) for node in nodes]
         _sync_checkpoints(nodes, local_out)
         master = _master(cfg, nodes)
+
+        def launch(node: Node, at: tuple[str, int] | None) -> None:
+            data, target, config = inputs[node.rank]
+            _launch(node, len(nodes), at, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
+            _record(ctx, nodes)
+
         with _stream_capture(cfg, ctx, nodes, inputs) as capture:  # data.hidden_states: stream, else None
             try:
-                for node, (data, target, config) in zip(nodes, inputs):
-                    _launch(node, len(nodes), master, data, target, config, aux_layer_ids, cfg.data.draft_vocab_size)
-                    _record(ctx, nodes)
+                if master is not None:
+                    master = _launch_node_0_on_its_port(nodes[0], master, launch, fixed=bool(cfg.train.rendezvous),
+                                                        timeout_s=cfg.train.stall_timeout_s)
+                for node in nodes[1 if master is not None else 0:]:
+                    launch(node, master)
                 _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir), cfg.train.stall_timeout_s, capture)
             finally:
                 _stop_all(nodes)
@@ -133,26 +146,76 @@ def _open_node(cfg: ExperimentConfig, ctx: StageContext, rank: int, name: str) -
     return Node(rank, name, root, host.python, posixpath.join(train_root, "inputs"), executor)
 
 
-def _master(cfg: ExperimentConfig, nodes: list[Node]) -> tuple[str, int]:
-    """Where every node dials torchrun's store on node 0: train.rendezvous, else node 0's address as they reach it."""
+def _master(cfg: ExperimentConfig, nodes: list[Node]) -> tuple[str, int] | None:
+    """Where every node dials torchrun's store on node 0: train.rendezvous, else node 0's address as they reach it
+    and a port found free there. None for one node and no train.rendezvous: it runs `--standalone`."""
     if cfg.train.rendezvous:
         address, port = cfg.train.rendezvous.rsplit(":", 1)
         return address, int(port)
-    port = _free_master_port(nodes[0])
+    if len(nodes) == 1:
+        return None
+    port = _free_master_port(nodes[0], DEFAULT_MASTER_PORT)
     if nodes[0].host != "local":
         return cfg.host(nodes[0].host).address, port
     remote = [node for node in nodes if node.host != "local"]
     return (_this_machine_as_seen_by(cfg, remote) if remote else "127.0.0.1"), port
 
 
-def _free_master_port(node: Node) -> int:
-    """29500, or the next port free on node 0: two trainings on one host (a nightly and a hand run) would
-    otherwise both bind 29500 and the second fail at rendezvous with EADDRINUSE."""
-    port = node.executor.first_free_port(DEFAULT_MASTER_PORT)
-    if port != DEFAULT_MASTER_PORT:
-        logger().info("rendezvous: port %d is in use on %s; node 0 hosts torchrun's store on %d", DEFAULT_MASTER_PORT,
+def _free_master_port(node: Node, start: int) -> int:
+    """The first port from `start` free on node 0 (another training's store, or anything else, may hold 29500)."""
+    port = node.executor.first_free_port(start)
+    if port != start:
+        logger().info("rendezvous: port %d is in use on %s; node 0 hosts torchrun's store on %d", start,
                       node.label(), port)
     return port
+
+
+def _launch_node_0_on_its_port(node0: Node, master: tuple[str, int], launch: Callable[[Node, tuple[str, int]], None],
+                               fixed: bool, timeout_s: float) -> tuple[str, int]:
+    """Launch node 0 and wait until its torchrun listens on the rendezvous port, before any other node dials it.
+
+    A port found free is not held: another training starting on that host at the same moment can bind it
+    first, and nodes dialing it would join that training's store. Node 0 then fails at once (EADDRINUSE)
+    and is launched again on the next free port, up to MASTER_PORT_TRIES times; a train.rendezvous port is
+    the user's choice, and taken it fails the stage.
+    """
+    address, port = master
+    for _ in range(MASTER_PORT_TRIES):
+        launch(node0, (address, port))
+        if _holds_its_port(node0, port, timeout_s):
+            return address, port
+        where = f"train.rendezvous {address}:{port}" if fixed else f"port {port}"
+        if fixed:
+            raise NodeFailed(f"training failed on {node0.label()}: {where} is taken on its host by another process; "
+                             "free it or set train.rendezvous to a free port")
+        node0.executor.kill_group(node0.pid)
+        node0.pid = None
+        logger().warning("rendezvous: another process took %s on %s as node 0 started; trying the next free port",
+                         where, node0.label())
+        port = _free_master_port(node0, port + 1)
+    raise NodeFailed(f"training failed on {node0.label()}: {MASTER_PORT_TRIES} rendezvous ports in a row were taken "
+                     "on its host as node 0 started; set train.rendezvous to a free port")
+
+
+def _holds_its_port(node0: Node, port: int, timeout_s: float) -> bool:
+    """True once node 0's process group listens on `port`; False when node 0 ended because something else holds
+    it; NodeFailed when it ended otherwise, or did not listen within `timeout_s` (train.stall_timeout_s)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        listener = node0.executor.port_listener(port, node0.pid)
+        if listener == "group":
+            return True
+        alive, _ = _watch_node(node0)
+        if not alive:
+            if listener == "other" or "EADDRINUSE" in _log_tail(node0):
+                return False
+            status = _node_status(node0)
+            if status is not None and status["returncode"] == 0:
+                return True  # a one-node training that ended before a probe saw its store
+            raise NodeFailed(_failure_message(node0, status))
+        time.sleep(poll_delay(started, POLL_S))
+    raise NodeFailed(f"training stalled: {node0.label()} did not listen on rendezvous port {port} within "
+                     f"{timeout_s:.0f} s (train.stall_timeout_s); last lines of {node0.log_file}:\n{_log_tail(node0)}")
 
 
 def _this_machine_as_seen_by(cfg: ExperimentConfig, remote: list[Node]) -> str:
@@ -270,15 +333,17 @@ def _download_latest_checkpoint(node: Node, local_ckpts: Path) -> None:
 # --------------------------------------------------------------------------- launch and watch
 
 
-def _launch(node: Node, nnodes: int, master: tuple[str, int], data: str, target: str, config: str,
+def _launch(node: Node, nnodes: int, master: tuple[str, int] | None, data: str, target: str, config: str,
             aux_layer_ids: list[int], draft_vocab_size: int) -> None:
+    """Start the node's launcher detached; `master` None: one node, `--standalone`."""
     node.executor.run(["rm", "-f", posixpath.join(node.out_dir, NODE_STATUS), node.log_file], log_output=False,
                       timeout=60)
     node.executor.makedirs(node.out_dir)
     argv = [node.python, "-m", "eagle3.torchrun", "--data-dir", data, "--target-dir", target, "--out-dir", node.out_dir,
             "--config", config, "--aux-layer-ids", ",".join(map(str, aux_layer_ids)),
-            "--draft-vocab-size", str(draft_vocab_size), "--node-rank", str(node.rank), "--nnodes", str(nnodes),
-            "--master-addr", master[0], "--master-port", str(master[1])]
+            "--draft-vocab-size", str(draft_vocab_size), "--node-rank", str(node.rank), "--nnodes", str(nnodes)]
+    if master is not None:
+        argv += ["--master-addr", master[0], "--master-port", str(master[1])]
     node.pid = node.executor.start_detached(argv, cwd=node.root, log_file=node.log_file,
                                             pid_file=posixpath.join(node.root, "node.pid"))
     node.log_offset = 0

@@ -7,6 +7,7 @@ a remote node; the one environment value faked is SSH_CONNECTION, the address a 
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.config import TrainConfig
 import tasks.stages.train.nodes as train_nodes
 from tasks.config.load import load_experiment
 from tasks.hosts.remote import LocalExecutor, connect
@@ -22,6 +24,8 @@ from tasks.stages.train.nodes import (
     DEFAULT_MASTER_PORT,
     Node,
     NodeFailed,
+    _launch,
+    _launch_node_0_on_its_port,
     _master,
     _watch,
 )
@@ -56,9 +60,13 @@ def test_default_rendezvous_is_node_0_as_the_other_nodes_reach_it(tmp_path, monk
     cfg = config(tmp_path, "[local, gpu-2]")
     assert _master(config(tmp_path, "[local, local]"), [node(0, "local", local, tmp_path)] * 2) == \
         ("127.0.0.1", free)
-    assert _master(config(tmp_path, "[gpu-2, local]"), [node(0, "gpu-2", local, tmp_path)]) == \
+    assert _master(config(tmp_path, "[gpu-2, local]"), [node(0, "gpu-2", local, tmp_path)] * 2) == \
         ("gpu-2.example", free)
-    assert _master(config(tmp_path, "[local, gpu-2]", "10.0.0.5:29999"), [node(0, "local", local, tmp_path)]) == \
+    assert _master(config(tmp_path, "[local, gpu-2]", "10.0.0.5:29999"), [node(0, "local", local, tmp_path)] * 2) == \
+        ("10.0.0.5", 29999)
+    # one node: torchrun --standalone (its store binds a port the OS hands out), unless the user set one
+    assert _master(config(tmp_path, "[gpu-2]"), [node(0, "gpu-2", local, tmp_path)]) is None
+    assert _master(config(tmp_path, "[gpu-2]", "10.0.0.5:29999"), [node(0, "gpu-2", local, tmp_path)]) == \
         ("10.0.0.5", 29999)
     # node 0 here, node 1 remote: the address node 1's sshd sees this machine connect from, never 127.0.0.1
     monkeypatch.setenv("SSH_CONNECTION", "10.1.2.3 40122 10.1.2.4 22")
@@ -93,6 +101,60 @@ def test_the_default_rendezvous_port_moves_past_one_that_node_0_holds(tmp_path, 
         assert address == "127.0.0.1" and chosen > port
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", chosen))  # free indeed
+
+
+def _node_0_launcher(tmp_path: Path, local: LocalExecutor):
+    """Node 0 of a two-node run and what launches it: the real launcher (eagle3.torchrun, then torchrun), whose
+    store binds the rendezvous port and then waits for node 1, which never comes."""
+    config = tmp_path / "train_config.json"
+    config.write_text(TrainConfig(devices=1).model_dump_json())
+    node0 = node(0, "local", local, tmp_path)
+
+    def launch(each: Node, master: tuple[str, int]) -> None:
+        _launch(each, 2, master, str(tmp_path / "data"), str(tmp_path / "target"), str(config), [1], 64)
+
+    return node0, launch
+
+
+@pytest.fixture
+def held_port():
+    """A port another process's server holds, as the store of another training that took it first."""
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def test_node_0_that_loses_its_port_to_another_training_relaunches_on_the_next_free_one(tmp_path, held_port, caplog):
+    """The race first_free_port leaves: the port was free when node 0's host was asked and another training's
+    store bound it before node 0's torchrun did. Node 0 fails (EADDRINUSE); it must start again on a port it
+    then holds, before any other node is told where to dial."""
+    caplog.set_level(logging.INFO)
+    local = LocalExecutor()
+    node0, launch = _node_0_launcher(tmp_path, local)
+    try:
+        address, port = _launch_node_0_on_its_port(node0, ("127.0.0.1", held_port), launch, fixed=False,
+                                                   timeout_s=120)
+        assert address == "127.0.0.1" and port > held_port
+        assert local.port_listener(port, node0.pid) == "group"  # node 0's own torchrun store serves it
+        assert "EADDRINUSE" in caplog.text  # the first launch's torchrun said why it failed
+        assert f"another process took port {held_port}" in caplog.text
+    finally:
+        if node0.pid is not None:
+            local.kill_group(node0.pid)
+    assert live_processes(node0.out_dir) == []
+
+
+def test_a_taken_train_rendezvous_port_fails_the_stage_naming_the_field(tmp_path, held_port):
+    local = LocalExecutor()
+    node0, launch = _node_0_launcher(tmp_path, local)
+    try:
+        with pytest.raises(NodeFailed, match=f"train.rendezvous 127.0.0.1:{held_port} is taken on its host by another"):
+            _launch_node_0_on_its_port(node0, ("127.0.0.1", held_port), launch, fixed=True, timeout_s=120)
+    finally:
+        if node0.pid is not None:
+            local.kill_group(node0.pid)
 
 
 def test_a_launcher_that_hangs_without_exiting_fails_the_stage_naming_the_node(tmp_path, monkeypatch):
