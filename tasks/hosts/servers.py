@@ -185,11 +185,24 @@ def wait_healthy(executor: Executor, handle: ServerHandle, timeout_s: float) -> 
                                    f"lines of {handle.log_file}:\n{log_tail(executor, handle)}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{handle.local_url}/health_generate").status_code == 200:
+                    _check_own_port(executor, handle)
                     return client.get(f"{handle.local_url}/server_info").json()
             shown = _relay_log(executor, handle, shown)
             time.sleep(poll_delay(started, 1.0))
     raise ServerFailed(f"{handle.label}: not healthy within deploy.startup_timeout_s={timeout_s:.0f}s; last "
                        f"{LOG_TAIL_LINES} log lines:\n{log_tail(executor, handle)}")
+
+
+def _check_own_port(executor: Executor, handle: ServerHandle) -> None:
+    """The server that answered is the one launched: the port was free at launch, but a server of another run
+    starting on that host at the same moment may have bound it first while this one still loads its weights
+    (minutes, for a large target) -- its answers would be measured as this run's. "nobody": the host cannot
+    tell (no /proc), trusted as before."""
+    if executor.port_listener(handle.port, handle.pid) == "other":
+        raise ServerFailed(f"{handle.label}: port {handle.port} on {executor.name} answers, but from another process "
+                           f"than the server launched (pid {handle.pid}): another server took the port while this one "
+                           f"started; stop it or set deploy.port. Last {LOG_TAIL_LINES} log lines of "
+                           f"{handle.log_file}:\n{log_tail(executor, handle)}")
 
 
 def _relay_log(executor: Executor, handle: ServerHandle, shown: int) -> int:
