@@ -121,6 +121,22 @@ def work_unit(nodeid: str) -> str:
     return TEAM_UNITS.get(module, module)
 
 
+# The team servers (two Prefect servers' worth of loop services, an MLflow server, a worker) are a session fixture
+# that only the team units use. A worker's session goes on for many minutes after its unit; from the moment its
+# next test is outside the units they are stopped (finishing the fixture clears its cache: a later team test on
+# that worker would start them again), so they stop taking the 2 cores' CPU from the rest of the suite.
+TEAM_FIXTURE = "team_servers"
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown: the unit's module fixtures are gone first
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and work_unit(nextitem.nodeid) in TEAM_UNITS.values():
+        return
+    for fixturedef in item.session._fixturemanager.getfixturedefs(TEAM_FIXTURE, item) or ():
+        if fixturedef.cached_result is not None:  # started on this worker and still running
+            fixturedef.finish(item._request)
+
+
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadscope":
         return None
