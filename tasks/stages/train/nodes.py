@@ -116,11 +116,13 @@ def train_on_nodes(cfg: ExperimentConfig, ctx: StageContext, dataset_dir: Path, 
 
         with _stream_capture(cfg, ctx, nodes, inputs) as capture:  # data.hidden_states: stream, else None
             try:
-                if master is not None:
+                if master is None:
+                    launch(nodes[0], None)  # one node: --standalone
+                else:
                     master = _launch_node_0_on_its_port(nodes[0], master, launch, fixed=bool(cfg.train.rendezvous),
                                                         timeout_s=cfg.train.stall_timeout_s)
-                for node in nodes[1 if master is not None else 0:]:
-                    launch(node, master)
+                    for node in nodes[1:]:
+                        launch(node, master)
                 _watch(nodes, on_metrics, progress, total_steps(cfg, dataset_dir), cfg.train.stall_timeout_s, capture)
             finally:
                 _stop_all(nodes)
@@ -184,14 +186,13 @@ def _launch_node_0_on_its_port(node0: Node, master: tuple[str, int], launch: Cal
         launch(node0, (address, port))
         if _holds_its_port(node0, port, timeout_s):
             return address, port
-        where = f"train.rendezvous {address}:{port}" if fixed else f"port {port}"
         if fixed:
-            raise NodeFailed(f"training failed on {node0.label()}: {where} is taken on its host by another process; "
-                             "free it or set train.rendezvous to a free port")
+            raise NodeFailed(f"training failed on {node0.label()}: train.rendezvous {address}:{port} is taken on its "
+                             "host by another process; free it or set train.rendezvous to a free port")
         node0.executor.kill_group(node0.pid)
         node0.pid = None
-        logger().warning("rendezvous: another process took %s on %s as node 0 started; trying the next free port",
-                         where, node0.label())
+        logger().warning("rendezvous: another process took port %d on %s as node 0 started; trying the next free "
+                         "port", port, node0.label())
         port = _free_master_port(node0, port + 1)
     raise NodeFailed(f"training failed on {node0.label()}: {MASTER_PORT_TRIES} rendezvous ports in a row were taken "
                      "on its host as node 0 started; set train.rendezvous to a free port")
