@@ -164,7 +164,9 @@ def prose_prompts(n: int) -> list[str]:
 def send_day(url: str, prompt_ids: list[list[int]], seed: int) -> list[dict]:
     """One day's traffic, one request after another, as a client that wants the target's greedy answer cut at a
     token of its choosing: a probe (MAX_NEW_TOKENS, no stop: the reader leaves it out as cut by length), then the
-    answer stopping on the probe's first token from position 12 on that did not occur before it."""
+    answer stopping on the probe's first token from position 12 on that did not occur before it. A probe that only
+    repeats itself from there on (the tiny target falls into one token on some prompts, which ones depends on the
+    CPU's float rounding while it trains) stops on its token at position 12, at that token's first occurrence."""
     answers = []
     for n, ids in enumerate(prompt_ids):
         greedy = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}
@@ -172,9 +174,8 @@ def send_day(url: str, prompt_ids: list[list[int]], seed: int) -> list[dict]:
                                                     "sampling_params": {**greedy, "ignore_eos": True}}, timeout=120)
         assert probe.status_code == 200, probe.text
         said = probe.json()["output_ids"]
-        stop = next((t for i, t in enumerate(said) if i >= 12 and t not in said[:i]), None)
-        body = {"rid": f"day{seed}-{n}", "input_ids": ids,
-                "sampling_params": {**greedy, **({"stop_token_ids": [stop]} if stop is not None else {})}}
+        stop = next((t for i, t in enumerate(said) if i >= 12 and t not in said[:i]), said[12])
+        body = {"rid": f"day{seed}-{n}", "input_ids": ids, "sampling_params": {**greedy, "stop_token_ids": [stop]}}
         resp = httpx.post(f"{url}/generate", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         out = resp.json()
