@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -402,6 +403,20 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
                 assert a[key] == b[key], (a["step"], key)  # bit-identical on CPU
 
 
+def run_torchrun(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """torchrun and its ranks in their own process group: one still running after `timeout_s` (a hung collective,
+    or a machine too loaded to finish) is killed whole, ranks included, and fails the test with its output."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun still running after {timeout_s:.0f} s, killed:\n{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 DDP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
@@ -436,7 +451,7 @@ def test_torchrun_two_ranks_agree_and_learn(tmp_path, strategy):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            strategy, str(tmp_path), str(Path(__file__).parent)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    proc = run_torchrun(cmd, env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world"] == ranks[1]["world"] == 2
@@ -518,7 +533,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, strategy
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            strategy, str(tmp_path / "ranks"), str(Path(__file__).parent)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = run_torchrun(cmd, env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two_ranks = [(h["train/loss"], h["train/grad_norm"]) for h in _history(tmp_path / "ranks") if "train/loss" in h]
     single = _train_steps(tmp_path / "single", batch_size=6, grad_accum=2)
@@ -1082,7 +1097,7 @@ def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            "bf16", str(tmp_path), str(Path(__file__).parent)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = run_torchrun(cmd, env, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     trained = {n: v for n, v in ranks[0]["shards"].items() if v[2]}
