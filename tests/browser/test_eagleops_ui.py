@@ -110,10 +110,21 @@ def metric_names(driver, names) -> list[str]:
 def create_flow_run(prefect: str, name: str) -> str:
     """A flow run in the server's database, as `eagleops run` leaves one (named after the experiment and setting)."""
     api = f"{prefect}/api"
-    flow = httpx.post(f"{api}/flows/", json={"name": "eagle3-experiment"}, timeout=30).json()
+    flow = post_created(f"{api}/flows/", {"name": "eagle3-experiment"})
     state = {"type": "COMPLETED", "name": "Completed"}
-    return httpx.post(f"{api}/flow_runs/", json={"flow_id": flow["id"], "name": name, "state": state},
-                      timeout=30).json()["id"]
+    return post_created(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": name, "state": state})["id"]
+
+
+def post_created(url: str, body: dict) -> dict:
+    """POST to the Prefect API; a server error is tried again a few times, as a Prefect client would (the server's
+    SQLite database may be busy on a loaded machine), and what is finally answered is shown if it is no 200/201."""
+    for attempt in range(5):
+        resp = httpx.post(url, json=body, timeout=30)
+        if resp.status_code < 500:
+            break
+        time.sleep(1 + attempt)
+    assert resp.status_code in (200, 201), f"POST {url}: {resp.status_code} {resp.text[:1000]}"
+    return resp.json()
 
 
 def test_eagleops_ui_serves_both_uis_and_its_links_land_right(eagleops_ui, browser, screenshots):
