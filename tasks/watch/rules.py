@@ -7,7 +7,9 @@ Owns what an on-call engineer would otherwise judge by eye on a dashboard:
 - drift with Prometheus `for:` semantics (`drift_status`): an alert is *pending* while the condition
   holds and *firing* once it held for `for` consecutive windows; a window with fewer than
   `min_requests` requests has no verdict and resets the count, as an absent series resets a Prometheus
-  alert, so low traffic never alarms;
+  alert, so low traffic never alarms; a drift *episode* (what its events are about) ends only on a window
+  back in the band (`DriftStatus.recovered`): a quiet window says nothing either way, so a firing drift that a
+  lull interrupts and that fires again is the same episode, under the same cooldown;
 - served settings and identities other than the recorded ones (`served_changes`);
 - when an alert is worth an event again (`should_emit`: on a new episode or a new change, then at most
   once per cooldown while it lasts).
@@ -158,6 +160,11 @@ class DriftStatus:
     @property
     def firing(self) -> bool:
         return self.state == "firing"
+
+    @property
+    def recovered(self) -> bool:
+        """A window judged back in the band: evidence the drift is over (a quiet window is no evidence)."""
+        return "ok" in self.verdicts
 
 
 def window_verdict(window: Window, band: Band, min_requests: int) -> str:

@@ -176,9 +176,12 @@ def _judge_drift(cfg: ExperimentConfig, state: EndpointState, result: TickResult
     result.drift, result.low_windows = drift.state, drift.low_windows
     alert = state.alerts.setdefault("drift", {})
     if not drift.firing:
-        alert.pop("episode", None)  # drift over: the next one is a new episode
+        if drift.recovered:
+            alert.pop("episode", None)  # back in the band: the next drift is a new episode
         return
-    episode = alert.get("episode") or f"since {windows[-drift.low_windows].end:.0f}"
+    episode = alert.get("episode", "")
+    if not episode.startswith(f"version {champion.version} "):  # none yet, or another champion's
+        episode = f"version {champion.version} since {windows[-drift.low_windows].end:.0f}"
     if should_emit(True, episode, alert, now, cfg.watch.cooldown_s):
         band = champion.band
         payload = {"accept_length": windows[-1].accept_length, "band_lower": band.lower, "band_center": band.center,

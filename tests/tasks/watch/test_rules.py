@@ -70,6 +70,15 @@ def test_low_traffic_never_alarms_and_resets_the_count():
     assert drift_status([window(2.0)] * 3, None, 3, 20).state == "inactive"  # no band: not judged
 
 
+def test_a_drift_episode_ends_only_on_a_window_back_in_the_band():
+    lull = drift_status([window(2.0), window(1.0, requests=3)], BAND, 2, 20)
+    assert not lull.firing and not lull.recovered  # a quiet window stops the count, not the episode
+    assert not drift_status([window(1.0, requests=3)] * 2, BAND, 2, 20).recovered
+    assert not drift_status([window(2.0)] * 2, None, 2, 20).recovered  # no band: no evidence either way
+    back = drift_status([window(3.0), window(2.0)], BAND, 2, 20)
+    assert back.state == "pending" and back.recovered  # judged in the band since it fired: a new episode next
+
+
 def test_changes_name_the_setting_and_both_values():
     expected = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "draft_sha256": "aa", "engine_version": "0.5.23"}
     same = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4, "draft_sha256": "aa", "engine_version": "0.5.23",
