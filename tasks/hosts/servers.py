@@ -45,6 +45,14 @@ class ServerFailed(RuntimeError):
     """The server exited or never became healthy; the message carries the tail of its log."""
 
 
+class PortTaken(ServerFailed):
+    """The port was free at launch, but another process bound it before the launched server did (a server
+    imports and loads for seconds to minutes first): it exited on the bind, or another process answers there."""
+
+
+BIND_FAILED = "address already in use"  # uvicorn's line (the reference server's and SGLang's) on a taken port
+
+
 @dataclass
 class ServerHandle:
     """One launched server: where it runs, how to reach and stop it, what it was asked and runs."""
@@ -181,8 +189,10 @@ def wait_healthy(executor: Executor, handle: ServerHandle, timeout_s: float) -> 
     with httpx.Client(timeout=10.0) as client:
         while time.monotonic() < deadline:
             if not executor.is_alive(handle.pid):
-                raise ServerFailed(f"{handle.label}: the server exited during startup; last {LOG_TAIL_LINES} log "
-                                   f"lines of {handle.log_file}:\n{log_tail(executor, handle)}")
+                tail = log_tail(executor, handle)
+                failed = PortTaken if BIND_FAILED in tail.lower() else ServerFailed
+                raise failed(f"{handle.label}: the server exited during startup; last {LOG_TAIL_LINES} log "
+                             f"lines of {handle.log_file}:\n{tail}")
             with contextlib.suppress(httpx.HTTPError):
                 if client.get(f"{handle.local_url}/health_generate").status_code == 200:
                     _check_own_port(executor, handle)
@@ -199,7 +209,7 @@ def _check_own_port(executor: Executor, handle: ServerHandle) -> None:
     (minutes, for a large target) -- its answers would be measured as this run's. "nobody": the host cannot
     tell (no /proc), trusted as before."""
     if executor.port_listener(handle.port, handle.pid) == "other":
-        raise ServerFailed(f"{handle.label}: port {handle.port} on {executor.name} answers, but from another process "
+        raise PortTaken(f"{handle.label}: port {handle.port} on {executor.name} answers, but from another process "
                            f"than the server launched (pid {handle.pid}): another server took the port while this one "
                            f"started; stop it or set deploy.port. Last {LOG_TAIL_LINES} log lines of "
                            f"{handle.log_file}:\n{log_tail(executor, handle)}")

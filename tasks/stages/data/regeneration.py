@@ -15,9 +15,11 @@ from pydantic import SecretStr
 
 from tasks.config.schema import ExperimentConfig, HostConfig
 from tasks.hosts.remote import Executor, connect
-from tasks.hosts.servers import Placement, ServerHandle, launch, stop
+from tasks.hosts.servers import Placement, PortTaken, ServerHandle, launch, stop
 from tasks.log import logger
 from tasks.runner.context import StageContext
+
+PORT_TRIES = 3
 
 
 @contextlib.contextmanager
@@ -36,15 +38,31 @@ def regeneration_servers(cfg: ExperimentConfig, ctx: StageContext, target_dir: P
         placement = target_placement(cfg, executor, host, ctx, target_dir)
         port = cfg.deploy.port
         for k in range(wanted.servers):
-            port = executor.first_free_port(port)  # a killed run's servers may hold it
-            handles.append(launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
-                                  spec=None, predicted=None))
-            port += 1
+            handles.append(launch_on_a_free_port(cfg, executor, placement, ctx, port, k))
+            port = handles[-1].port + 1
         yield [f"http://127.0.0.1:{h.port}" if reach_from_host else h.local_url for h in handles]
     finally:
         for handle in handles:
             stop(ctx.run_dir, handle, executor)
         executor.close()
+
+
+def launch_on_a_free_port(cfg: ExperimentConfig, executor: Executor, placement: Placement, ctx: StageContext,
+                          port: int, k: int) -> ServerHandle:
+    """Server k on the first free port from `port` (a killed run's servers may hold some). These ports are the
+    stage's to pick, so a port another process binds while the server starts (PortTaken) moves it to the next
+    free one, up to PORT_TRIES times, where a deploy.port the user set would fail the launch."""
+    port = executor.first_free_port(port)
+    for _ in range(PORT_TRIES - 1):
+        try:
+            return launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
+                          spec=None, predicted=None)
+        except PortTaken:
+            logger().warning(f"regenerate {k}: port {port} on {executor.name} was taken while the server started; "
+                             "starting it on the next free port")
+            port = executor.first_free_port(port + 1)
+    return launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}", spec=None,
+                  predicted=None)
 
 
 def regeneration_host(cfg: ExperimentConfig, name: str) -> HostConfig | None:
