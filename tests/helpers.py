@@ -4,6 +4,8 @@ an app served on loopback."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -76,3 +78,27 @@ def mounted_tmpfs(mount: Path, size: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def stop_group(pid: int, first: int = signal.SIGTERM, grace_s: float = 15,
+               leader: subprocess.Popen | None = None) -> None:
+    """Signal a process group, then SIGINT (a Prefect worker needs a second signal), then SIGKILL.
+
+    `leader`: the group's leader when it is this process's child. It is reaped while waiting: an exited
+    but unreaped leader is a zombie that still counts as the group (kill(-pgid, 0) succeeds), so without
+    this every signal's grace was waited out in full after the process had already stopped.
+    """
+    for sig in (first, signal.SIGINT, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if leader is not None:
+                leader.poll()
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)

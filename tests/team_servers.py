@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import stop_group
+
 REPO = Path(__file__).resolve().parents[1]
 PG = ["-h", "127.0.0.1", "-p", "5432", "-U", "postgres"]
 NIGHTLY_FLOW = REPO / "flows" / "nightly.py"
@@ -48,30 +50,6 @@ def script_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_TRACKING"))}
     env.update(extra)
     return env
-
-
-def stop_group(pid: int, first: int = signal.SIGTERM, grace_s: float = 15,
-               leader: subprocess.Popen | None = None) -> None:
-    """Signal a process group, then SIGINT (a Prefect worker needs a second signal), then SIGKILL.
-
-    `leader`: the group's leader when it is this process's child. It is reaped while waiting: an exited
-    but unreaped leader is a zombie that still counts as the group (kill(-pgid, 0) succeeds), so without
-    this every signal's grace was waited out in full after the process had already stopped.
-    """
-    for sig in (first, signal.SIGINT, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if leader is not None:
-                leader.poll()
-            try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
 
 
 def _postgres_ready() -> str | None:

@@ -61,8 +61,8 @@ from tasks.stages.environment import check_environment
 from tasks.stages.export import export_checkpoint
 from tasks.stages.gate.nightly import draft_identity
 from tasks.stages.train.stage import train_draft
-from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
-from tests.team_servers import REPO, stop_group, wait_for_run
+from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive, stop_group
+from tests.team_servers import REPO, wait_for_run
 
 pytestmark = pytest.mark.slow
 

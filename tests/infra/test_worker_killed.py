@@ -25,8 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive
-from tests.team_servers import REPO, stop_group, wait_for_run
+from tests.helpers import TEST_TARGET_YAML, free_port, reference_servers_alive, stop_group
+from tests.team_servers import REPO, wait_for_run
 
 pytestmark = pytest.mark.slow
 

@@ -3,6 +3,7 @@ order, checkpoints, resume after SIGKILL, DDP/FSDP under torchrun (gloo, 2 ranks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -403,18 +405,48 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
                 assert a[key] == b[key], (a["step"], key)  # bit-identical on CPU
 
 
-def run_torchrun(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """torchrun and its ranks in their own process group: one still running after `timeout_s` (a hung collective,
-    or a machine too loaded to finish) is killed whole, ranks included, and fails the test with its output."""
+def run_torchrun(script: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 script *args <this folder>`. One still running after `timeout_s`
+    (a hung collective, or a machine too loaded to finish) is stopped whole and fails the test with its output,
+    where every process's faulthandler printed where it waited."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args,
+           str(Path(__file__).parent)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        stop_torchrun(proc)
         out, err = proc.communicate()
-        pytest.fail(f"torchrun still running after {timeout_s:.0f} s, killed:\n{out[-3000:]}{err[-3000:]}")
+        pytest.fail(f"torchrun still running after {timeout_s:.0f} s, stopped (stacks below):\n{out[-3000:]}"
+                    f"{err[-12000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_torchrun(proc: subprocess.Popen, grace_s: float = 10) -> None:
+    """SIGABRT (faulthandler prints each process's stacks), then SIGKILL, to torchrun's process group and to each
+    rank's: torch.distributed.elastic starts every rank in a session of its own, so torchrun's group alone would
+    leave the ranks (and their compile workers) running."""
+    import psutil
+
+    groups = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children())]
+    for sig in (signal.SIGABRT, signal.SIGKILL):
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_group_alive(g, proc) for g in groups):
+            time.sleep(0.2)
+
+
+def _group_alive(group: int, leader: subprocess.Popen) -> bool:
+    leader.poll()  # reap torchrun: an unreaped leader still counts as its group
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 DDP_SCRIPT = textwrap.dedent(
@@ -448,10 +480,7 @@ DDP_SCRIPT = textwrap.dedent(
 def test_torchrun_two_ranks_agree_and_learn(tmp_path, strategy):
     script = tmp_path / "ddp_worker.py"
     script.write_text(DDP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           strategy, str(tmp_path), str(Path(__file__).parent)]
-    proc = run_torchrun(cmd, env, timeout_s=300)
+    proc = run_torchrun(script, strategy, str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["world"] == ranks[1]["world"] == 2
@@ -530,10 +559,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(tmp_path, strategy
     (B=6, grad_accum=2) in fp32: the loss is normalised by the global count of counted positions."""
     script = tmp_path / "equivalence_worker.py"
     script.write_text(EQUIVALENCE_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           strategy, str(tmp_path / "ranks"), str(Path(__file__).parent)]
-    proc = run_torchrun(cmd, env, timeout_s=300)
+    proc = run_torchrun(script, strategy, str(tmp_path / "ranks"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two_ranks = [(h["train/loss"], h["train/grad_norm"]) for h in _history(tmp_path / "ranks") if "train/loss" in h]
     single = _train_steps(tmp_path / "single", batch_size=6, grad_accum=2)
@@ -1094,10 +1120,7 @@ def test_fsdp_splits_every_parameter_and_gathers_bf16_weights(tmp_path):
     the forward sees are gathered in bf16, not fp32."""
     script = tmp_path / "fsdp_worker.py"
     script.write_text(FSDP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "bf16", str(tmp_path), str(Path(__file__).parent)]
-    proc = run_torchrun(cmd, env, timeout_s=300)
+    proc = run_torchrun(script, "bf16", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     trained = {n: v for n, v in ranks[0]["shards"].items() if v[2]}
