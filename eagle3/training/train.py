@@ -185,7 +185,7 @@ def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vo
     log(f"launching (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank): " + " ".join(cmd))
     history = out_dir / "history.jsonl"
     seen = _relay_metrics(history, set(), None)  # rows of an earlier (resumed) launch were relayed then
-    # own session: torchrun, its ranks and their loader workers form one process group, killed as one
+    # own session: torchrun's group, stopped as one (each rank runs in a session of its own: _kill_process_group)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     recent: collections.deque[str] = collections.deque(maxlen=TORCHRUN_TAIL_LINES)
@@ -204,19 +204,42 @@ def _launch_torchrun(data_dir, target_dir, cfg, out_dir, aux_layer_ids, draft_vo
     return json.loads((out_dir / "summary.json").read_text())
 
 
-def _kill_process_group(proc: subprocess.Popen) -> None:
-    """Stop torchrun (if still running: the caller was interrupted) and anything left in its group."""
+def _kill_process_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """Stop torchrun (if still running: the caller was interrupted) and anything left in its group. SIGTERM first:
+    torchrun forwards it to the ranks and waits for them. torch.distributed.elastic starts every rank in a session
+    of its own, so the ranks' groups (a rank and its loader workers) are SIGKILLed too if torchrun outlives the wait
+    (killing torchrun's group alone would leave them running)."""
+    rank_groups = _rank_groups(proc) if proc.poll() is None else []
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to the ranks
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
-    with contextlib.suppress(ProcessLookupError):  # no member left: the usual case
-        os.killpg(proc.pid, signal.SIGKILL)
+    for group in (proc.pid, *rank_groups):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # no member left: the usual case
+            os.killpg(group, signal.SIGKILL)
     proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def _rank_groups(proc: subprocess.Popen) -> list[int]:
+    """torchrun's children that lead a process group of their own: its ranks."""
+    import psutil
+
+    try:
+        children = psutil.Process(proc.pid).children()
+    except psutil.Error:
+        return []
+    return [child.pid for child in children if _group_of(child.pid) == child.pid]
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _relay_metrics(history: Path, seen: set, on_metrics: MetricsFn | None) -> set:

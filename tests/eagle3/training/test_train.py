@@ -449,6 +449,51 @@ def _group_alive(group: int, leader: subprocess.Popen) -> bool:
     return True
 
 
+STUBBORN_RANK = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank stuck where SIGTERM does not stop it
+    open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid"), "w").write(str(os.getpid()))
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_interrupted_launch_stops_ranks_that_outlive_torchrun(tmp_path):
+    """torchrun starts each rank in a session of its own: stopping torchrun's group must reach them too."""
+    import psutil
+
+    from eagle3.training.train import _kill_process_group
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_RANK)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    ranks = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+    assert len(ranks) == 2 and all(os.getpgid(pid) == pid for pid in ranks)  # each leads a group of its own
+    _kill_process_group(proc, grace_s=2)  # torchrun would wait 30 s for them before its own SIGKILL
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in ranks if alive(pid)]
+    for pid in left:  # a failing run leaves nothing behind either
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
 DDP_SCRIPT = textwrap.dedent(
     """
     import json, os, sys
