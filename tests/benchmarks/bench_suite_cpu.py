@@ -18,8 +18,8 @@ for a server that left its launcher (setsid, a remote shell that exited), from t
 its command line. What neither finds (the SGLang venv's install, PostgreSQL) is listed as such.
 
 Limits: a process that lives less than a second between two samples is not seen (its CPU is in the
-machine's total, not in the tables); a process that execs another keeps its first command line unless it
-began as a shell (re-read while it is one). Not collected by pytest.
+machine's total, not in the tables). A process that execs another gets its new command line on the next pass
+(re-read when its name in /proc/PID/stat changes, as an exec changes it). Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _cmdline(pid: str) -> str:
 def sample_forever(out, stop: threading.Event, every_s: float = 1.0) -> None:
     """Writes `{"new": ...}` for a process first seen, `<t> <pid> <ticks>` for its CPU growth since the last
     sample, and `# <t> <cpu fields of /proc/stat>` for the machine, until `stop` is set."""
-    seen: dict[tuple[int, str], list] = {}  # (pid, start) -> [ticks so far, command line]
+    seen: dict[tuple[int, str], list] = {}  # (pid, start) -> [ticks so far, command line, comm]
     first_pass = True  # what ran before the command started is not its CPU: the first pass only sets the baseline
     while not stop.is_set():
         now = time.time()
@@ -74,14 +74,13 @@ def sample_forever(out, stop: threading.Event, every_s: float = 1.0) -> None:
             stat = _read_stat(pid)
             if stat is None:
                 continue
-            ppid, ticks, start, _comm = stat
+            ppid, ticks, start, comm = stat
             key = (int(pid), start)
             known = seen.get(key)
-            if known is None or known[1].split(" ")[0] in SHELLS:
+            if known is None or comm != known[2]:  # first seen, or it exec'd another program
                 cmd = _cmdline(pid)
-                if known is None or cmd != known[1]:
-                    out.write(json.dumps({"new": int(pid), "start": start, "ppid": ppid, "cmd": cmd, "t": now}) + "\n")
-                    known = seen[key] = [known[0] if known else (ticks if first_pass else 0), cmd]
+                out.write(json.dumps({"new": int(pid), "start": start, "ppid": ppid, "cmd": cmd, "t": now}) + "\n")
+                known = seen[key] = [known[0] if known else (ticks if first_pass else 0), cmd, comm]
             if ticks > known[0]:
                 out.write(f"{now:.1f} {pid} {ticks - known[0]}\n")
                 known[0] = ticks
