@@ -85,8 +85,8 @@ def run_node(data_dir: Path, target_dir: Path, config_file: Path, out_dir: Path,
     """One node of an orchestrated run, started by an orchestrator (detached, as its process group's leader).
 
     Runs torchrun in the foreground of this process group, so the orchestrator's kill of the group reaches
-    torchrun, which forwards the SIGTERM to the ranks (each in a session of its own) and waits for them. Leaves out_dir/node_status.json
-    (exit code, which rank failed and its log tail) for the orchestrator; returns the exit code.
+    torchrun, which forwards the SIGTERM to the ranks (each in a session of its own) and waits for them.
+    Leaves out_dir/node_status.json (exit code, which rank failed and its log tail) for the orchestrator; returns the exit code.
     """
     cfg = TrainConfig.model_validate_json(Path(config_file).read_text())
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -210,9 +210,9 @@ def _check_own_port(executor: Executor, handle: ServerHandle) -> None:
     tell (no /proc), trusted as before."""
     if executor.port_listener(handle.port, handle.pid) == "other":
         raise PortTaken(f"{handle.label}: port {handle.port} on {executor.name} answers, but from another process "
-                           f"than the server launched (pid {handle.pid}): another server took the port while this one "
-                           f"started; stop it or set deploy.port. Last {LOG_TAIL_LINES} log lines of "
-                           f"{handle.log_file}:\n{log_tail(executor, handle)}")
+                        f"than the server launched (pid {handle.pid}): another server took the port while this one "
+                        f"started; stop it or set deploy.port. Last {LOG_TAIL_LINES} log lines of "
+                        f"{handle.log_file}:\n{log_tail(executor, handle)}")
 
 
 def _relay_log(executor: Executor, handle: ServerHandle, shown: int) -> int:

@@ -53,16 +53,17 @@ def launch_on_a_free_port(cfg: ExperimentConfig, executor: Executor, placement: 
     stage's to pick, so a port another process binds while the server starts (PortTaken) moves it to the next
     free one, up to PORT_TRIES times, where a deploy.port the user set would fail the launch."""
     port = executor.first_free_port(port)
-    for _ in range(PORT_TRIES - 1):
+    for tries_left in reversed(range(PORT_TRIES)):
         try:
             return launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}",
                           spec=None, predicted=None)
         except PortTaken:
+            if not tries_left:
+                raise
             logger().warning(f"regenerate {k}: port {port} on {executor.name} was taken while the server started; "
                              "starting it on the next free port")
             port = executor.first_free_port(port + 1)
-    return launch(server_config(cfg, port, k), placement, ctx.run_dir, label=f"regenerate {k}", spec=None,
-                  predicted=None)
+    raise AssertionError("PORT_TRIES must be at least 1")
 
 
 def regeneration_host(cfg: ExperimentConfig, name: str) -> HostConfig | None:
