@@ -552,7 +552,9 @@ class TrainConfig(StrictModel):
         gt=0,
         le=7 * 86400,
         description="With train.nodes: fail the stage when, for this long, no node's log grew and no metrics row "
-        "came while the launchers still run (a hung rank or rendezvous); the error names the node silent longest.",
+        "came while the launchers still run (a hung rank or rendezvous); the error names the node silent longest. "
+        "On every rank: the longest its DataLoader workers may take to hand over a micro-batch before the rank "
+        "fails with their stacks in its log (not for a stream, whose workers wait for its capture side).",
     )
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Multi-device strategy.")
     attention: Literal["fast", "dense"] = Field(

@@ -13,8 +13,6 @@ import contextlib
 import json
 import math
 import os
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -38,6 +36,7 @@ from eagle3.training.checkpoints import (
     write_checkpoint,
 )
 from eagle3.training.distributed import DistInfo, all_reduce_sum, init_distributed
+from eagle3.training.loader import micro_batches
 from eagle3.training.schedule import DataPlan, build_lr_lambda, default_collate_fn, planned_steps
 from eagle3.training.step_graphs import StepGraphs, bucket_length, pad_time
 from eagle3.training.streaming.dataset import StreamedDataset
@@ -95,22 +94,6 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
 
 def _clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
     return torch.clamp((norm + 1e-6) / max_norm, min=1.0)  # as clip_grad_norm_'s coefficient
-
-
-def quiet_when_the_trainer_is_gone(worker_id: int) -> None:
-    """DataLoader worker setup: a worker hands each batch's shared memory to the trainer as a file
-    descriptor, from a background thread (multiprocessing.resource_sharer). When the trainer stops
-    mid-hand-over (SIGTERM, Ctrl-C), that thread's send fails with a broken pipe and its traceback
-    lands in the user's log under a clean "interrupted" line. Such errors, outside the worker's main
-    thread, are dropped; anything else still prints."""
-    original = sys.excepthook
-
-    def hook(exc_type, exc, tb):
-        if issubclass(exc_type, ConnectionError) and threading.current_thread() is not threading.main_thread():
-            return
-        original(exc_type, exc, tb)
-
-    sys.excepthook = hook
 
 
 class Trainer:
@@ -272,16 +255,11 @@ class Trainer:
         thread) while the GPU trains on the current one; each keeps cfg.prefetch_factor batches
         ready. On CUDA a pin-memory thread copies them into page-locked buffers so `_to_device`'s
         non_blocking copies are real async DMA. One loader serves a whole `train()` call (all
-        epochs, see DataPlan.rank_steps), so workers start once, not per epoch.
+        epochs, see DataPlan.rank_steps), so workers start once, not per epoch. Workers that hand
+        over nothing for cfg.stall_timeout_s fail the rank (eagle3/training/loader.py).
         """
-        index_lists = list(index_lists)
-        workers = min(self.cfg.num_workers, len(index_lists))
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=index_lists, collate_fn=self.collate_fn, num_workers=workers,
-            prefetch_factor=self.cfg.prefetch_factor if workers else None,
-            pin_memory=self.device.type == "cuda", worker_init_fn=quiet_when_the_trainer_is_gone if workers else None,
-        )
-        return iter(loader)
+        return micro_batches(dataset, list(index_lists), self.collate_fn, self.cfg.num_workers,
+                             self.cfg.prefetch_factor, self.device.type == "cuda", self.cfg.stall_timeout_s)
 
     # ------------------------------------------------------------------ steps
 

@@ -408,7 +408,7 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
 def run_torchrun(script: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node=2 script *args <this folder>`. One still running after `timeout_s`
     (a hung collective, or a machine too loaded to finish) is stopped whole and fails the test with its output,
-    where every process's faulthandler printed where it waited."""
+    where every process's faulthandler printed where it waited (all of it also saved beside the script)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *args,
            str(Path(__file__).parent)]
@@ -419,8 +419,10 @@ def run_torchrun(script: Path, *args: str, timeout_s: float = 300) -> subprocess
     except subprocess.TimeoutExpired:
         stop_torchrun(proc)
         out, err = proc.communicate()
-        pytest.fail(f"torchrun still running after {timeout_s:.0f} s, stopped (stacks below):\n{out[-3000:]}"
-                    f"{err[-12000:]}")
+        saved = script.parent / f"{script.stem}.torchrun-output.txt"  # every stack, where the message cuts
+        saved.write_text(f"{out}\n--- stderr ---\n{err}")
+        pytest.fail(f"torchrun still running after {timeout_s:.0f} s, stopped; all its output in {saved}, the "
+                    f"end of it (stacks) below:\n{out[-3000:]}{err[-40000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -1260,7 +1262,7 @@ def test_training_refuses_shards_whose_engine_hooked_other_layers():
 
 _WORKER = """
 import sys, threading
-from eagle3.training.trainer import quiet_when_the_trainer_is_gone
+from eagle3.training.loader import quiet_when_the_trainer_is_gone
 
 def serve(error):  # as multiprocessing.resource_sharer's serving thread reports a failed hand-over
     try:
