@@ -28,7 +28,8 @@ from tasks.watch.rules import Reading, Window
 class EndpointState:
     reading: Reading | None = None
     windows: list[Window] = field(default_factory=list)
-    alerts: dict[str, dict[str, Any]] = field(default_factory=dict)  # drift | changed | unreachable -> {episode, emitted_at}
+    # drift | changed | unreachable -> {episode, emitted_at}; a drift also -> version (the champion its episode is about)
+    alerts: dict[str, dict[str, Any]] = field(default_factory=dict)
     baseline: dict[str, Any] = field(default_factory=dict)  # model_version, target_sha256, engine_version
     logged_windows: int = 0
     last_window_end: float = 0.0  # the newest window already logged (Prometheus windows overlap ticks)
@@ -57,9 +58,19 @@ def load_state(path: Path) -> EndpointState:
     return EndpointState(
         reading=Reading(**reading) if reading else None,
         windows=[Window(**w) for w in data.get("windows", [])],
-        alerts=data.get("alerts", {}), baseline=data.get("baseline", {}),
+        alerts=_with_drift_version(data.get("alerts", {})), baseline=data.get("baseline", {}),
         logged_windows=int(data.get("logged_windows", 0)), last_window_end=float(data.get("last_window_end", 0.0)),
     )
+
+
+def _with_drift_version(alerts: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A drift episode recorded before its champion version had a field of its own ("version V since T") gets
+    it, so the watch goes on with the same episode after an upgrade instead of telling it again at once."""
+    drift = alerts.get("drift", {})
+    found = re.fullmatch(r"version (\S+) since \S+", str(drift.get("episode", "")))
+    if found and "version" not in drift:
+        drift["version"] = found.group(1)
+    return alerts
 
 
 def save_state(path: Path, state: EndpointState) -> None:

@@ -178,9 +178,10 @@ def _judge_drift(cfg: ExperimentConfig, state: EndpointState, result: TickResult
     if not drift.firing:
         if drift.recovered:
             alert.pop("episode", None)  # back in the band: the next drift is a new episode
+            alert.pop("version", None)
         return
-    episode = alert.get("episode", "")
-    if not episode.startswith(f"version {champion.version} "):  # none yet, or another champion's
+    episode = alert.get("episode")
+    if episode is None or alert.get("version") != champion.version:  # none yet, or another champion's
         episode = f"version {champion.version} since {windows[-drift.low_windows].end:.0f}"
     if should_emit(True, episode, alert, now, cfg.watch.cooldown_s):
         band = champion.band
@@ -189,6 +190,7 @@ def _judge_drift(cfg: ExperimentConfig, state: EndpointState, result: TickResult
                    "min_requests": cfg.watch.min_requests, "low_windows": drift.low_windows, "source": result.source,
                    "windows": [w.figures() for w in windows[-drift.low_windows:]], "endpoint": result.endpoint}
         _send(result, alert, DRIFT, episode, now, resource, payload)
+        alert["version"] = champion.version  # whose episode it is
 
 
 def _judge_changes(cfg: ExperimentConfig, state: EndpointState, result: TickResult, resource: dict[str, str],

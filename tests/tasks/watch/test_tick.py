@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from tasks.watch.events import DRIFT
 from tasks.watch.rules import Band, Window, drift_status
-from tasks.watch.state import EndpointState
+from tasks.watch.state import EndpointState, load_state, save_state
 from tasks.watch.tick import Champion, TickResult, _judge_drift
 
 BAND = Band(center=3.0, spread=0.1, lower=2.55, samples=4, accepted_by_position=[], settings={}, engine_version=None,
@@ -50,3 +51,19 @@ def test_a_new_champion_drifting_is_a_new_episode():
     state = EndpointState()
     assert look(state, Champion("draft", "1", band=BAND), [LOW, LOW], now=100) == [DRIFT]
     assert look(state, Champion("draft", "2", band=BAND), [LOW, LOW], now=103) == [DRIFT]
+
+
+def test_the_episode_records_the_champion_version_and_a_state_file_from_before_keeps_its_episode(tmp_path):
+    """A drift episode saved before its version had a field of its own ("version V since T" only) is the same
+    episode after the upgrade: no second event inside the cooldown; a new champion's drift still is a new one."""
+    state, champion = EndpointState(), Champion("draft", "7", band=BAND)
+    assert look(state, champion, [LOW, LOW], now=100) == [DRIFT]
+    assert state.alerts["drift"] == {"episode": "version 7 since 97", "emitted_at": 100, "version": "7"}
+    path = tmp_path / "endpoint.json"
+    save_state(path, state)
+    saved = json.loads(path.read_text())
+    del saved["alerts"]["drift"]["version"]  # as the watch wrote it before
+    path.write_text(json.dumps(saved))
+    before = load_state(path)
+    assert look(before, champion, [LOW, LOW], now=160) == []  # the same episode, in its cooldown
+    assert look(before, Champion("draft", "8", band=BAND), [LOW, LOW], now=163) == [DRIFT]
