@@ -584,7 +584,8 @@ class TrainConfig(StrictModel):
         ge=0,
         le=64,
         description="DataLoader worker processes per rank: they read and collate the next micro-batches while the "
-        "current one trains (0 = load on the training thread, which stalls every step).",
+        "current one trains (0 = load on the training thread, which stalls every step). Evaluation has as many "
+        "of its own, started at the first evaluation and idle between evaluations until training ends.",
     )
     prefetch_factor: int = Field(
         4, ge=1, le=64, description="Micro-batches each DataLoader worker keeps ready ahead (with num_workers > 0)."

@@ -13,6 +13,7 @@ yet (loading a large target alone can take longer), and `StreamedDataset` has it
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -55,19 +56,52 @@ def setup_worker(worker_id: int) -> None:
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
 
 
+class MicroBatches:
+    """The collated micro-batches of `index_lists`, read ahead by up to `num_workers` processes (each
+    keeping `prefetch_factor` ready); LoaderStalled when they hand over none for `stall_timeout_s`.
+
+    `reused=True` keeps the workers between passes (an evaluation every few steps reads the same
+    batches): they fork once, not once per evaluation. A fork of a rank while another of its threads
+    is being born or ending (the previous pass's queue feeders) can leave the child stuck on a lock
+    the thread held, for ever, on CPython before 3.12 (gh-112275); fewer forks, fewer such moments.
+    `close()` stops them.
+    """
+
+    def __init__(self, dataset, index_lists: list[list[int]], collate_fn: Callable, num_workers: int,
+                 prefetch_factor: int, pin_memory: bool, stall_timeout_s: float, reused: bool = False) -> None:
+        workers = min(num_workers, len(index_lists))
+        self.timeout_s = stall_timeout_s if workers and not isinstance(dataset, StreamedDataset) else 0
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=index_lists, collate_fn=collate_fn, num_workers=workers,
+            prefetch_factor=prefetch_factor if workers else None, pin_memory=pin_memory,
+            worker_init_fn=setup_worker if workers else None, timeout=self.timeout_s,
+            persistent_workers=reused and workers > 0,
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self.timeout_s:
+            return iter(self.loader)
+        # registered across the fork: a worker stuck before its own setup runs (on a lock taken at the fork) dumps too
+        faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True)
+        try:
+            batches = iter(self.loader)
+        finally:
+            faulthandler.unregister(STACK_SIGNAL)
+        return _stall_guarded(batches, self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the workers a reused loader keeps (a pass's own workers stop at its end)."""
+        workers = getattr(self.loader, "_iterator", None)
+        if workers is not None:
+            workers._shutdown_workers()
+            self.loader._iterator = None
+
+
 def micro_batches(dataset, index_lists: list[list[int]], collate_fn: Callable, num_workers: int,
                   prefetch_factor: int, pin_memory: bool, stall_timeout_s: float) -> Iterator[dict[str, Any]]:
-    """The collated micro-batches of `index_lists`, read ahead by up to `num_workers` processes
-    (each keeping `prefetch_factor` ready); LoaderStalled when they hand over none for `stall_timeout_s`."""
-    workers = min(num_workers, len(index_lists))
-    timeout_s = stall_timeout_s if workers and not isinstance(dataset, StreamedDataset) else 0
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=index_lists, collate_fn=collate_fn, num_workers=workers,
-        prefetch_factor=prefetch_factor if workers else None, pin_memory=pin_memory,
-        worker_init_fn=setup_worker if workers else None, timeout=timeout_s,
-    )
-    batches = iter(loader)
-    return _stall_guarded(batches, timeout_s) if timeout_s else batches
+    """One pass over `index_lists` (see MicroBatches); its workers stop when the pass ends or is dropped."""
+    return iter(MicroBatches(dataset, index_lists, collate_fn, num_workers, prefetch_factor, pin_memory,
+                             stall_timeout_s))
 
 
 def _stall_guarded(batches, timeout_s: float) -> Iterator[dict[str, Any]]:
@@ -96,5 +130,6 @@ def _dump_worker_stacks(batches) -> list[int]:
         except ProcessLookupError:
             pass
     if pids:
-        time.sleep(STACK_DUMP_WAIT_S)
+        with contextlib.suppress(RuntimeError):  # the DataLoader's SIGCHLD check, if one died of the signal
+            time.sleep(STACK_DUMP_WAIT_S)
     return pids

@@ -36,7 +36,7 @@ from eagle3.training.checkpoints import (
     write_checkpoint,
 )
 from eagle3.training.distributed import DistInfo, all_reduce_sum, init_distributed
-from eagle3.training.loader import micro_batches
+from eagle3.training.loader import MicroBatches, micro_batches
 from eagle3.training.schedule import DataPlan, build_lr_lambda, default_collate_fn, planned_steps
 from eagle3.training.step_graphs import StepGraphs, bucket_length, pad_time
 from eagle3.training.streaming.dataset import StreamedDataset
@@ -167,6 +167,7 @@ class Trainer:
         self.step, self.tokens_seen, self.history = 0, 0, []
         self.ckpt_root = self.out_dir / "checkpoints"
         self.last_checkpoint: Path | None = None
+        self.eval_batches: MicroBatches | None = None  # built at the first evaluation, kept to train()'s end
         self._resume()
 
     # ------------------------------------------------------------------ setup
@@ -340,16 +341,13 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation metrics over the whole val split (or eval_max_batches), all ranks summed."""
         self.model.eval()
-        n, w, b = len(self.val_data), self.info.world_size, self.cfg.batch_size
+        n, w = len(self.val_data), self.info.world_size
         if n == 0:
             return {}
-        per_rank = math.ceil(n / w)
         mine = list(range(self.info.rank, n, w))
-        padded = mine + [mine[0] if mine else 0] * (per_rank - len(mine))  # equal batch counts for FSDP
-        batches = [padded[i : i + b] for i in range(0, per_rank, b)][: self.cfg.eval_max_batches]
         stats = torch.zeros(STAT_ROWS, self.cfg.ttt_steps, device=self.device)
         seen = 0
-        for batch in self._loader(batches, self.val_data):
+        for batch in self._eval_loader(mine, math.ceil(n / w)):
             self._real_tokens(batch)  # the padding check
             inputs = self._prepare(self._to_device(batch))
             real = torch.tensor([seen + j < len(mine) for j in range(inputs["input_ids"].shape[0])], device=self.device)
@@ -359,6 +357,23 @@ class Trainer:
                 _, batch_stats = self.model(**inputs)
             stats += batch_stats
         return metrics_from_stats(all_reduce_sum(stats, self.info), self.cfg.step_decay, "val")
+
+    def _eval_loader(self, mine: list[int], per_rank: int) -> MicroBatches:
+        """This rank's validation batches, padded to `per_rank` samples (equal batch counts for FSDP); one
+        loader whose workers serve every evaluation of a train() call."""
+        if self.eval_batches is None:
+            padded = mine + [mine[0] if mine else 0] * (per_rank - len(mine))
+            b = self.cfg.batch_size
+            batches = [padded[i : i + b] for i in range(0, per_rank, b)][: self.cfg.eval_max_batches]
+            self.eval_batches = MicroBatches(self.val_data, batches, self.collate_fn, self.cfg.num_workers,
+                                             self.cfg.prefetch_factor, self.device.type == "cuda",
+                                             self.cfg.stall_timeout_s, reused=True)
+        return self.eval_batches
+
+    def _stop_eval_loader(self) -> None:
+        if self.eval_batches is not None:
+            self.eval_batches.close()
+            self.eval_batches = None
 
     def train(self, stop_at_step: int | None = None) -> dict[str, Any]:
         """Run to total_steps (or stop_at_step, as a preemption would); returns the summary."""
@@ -396,6 +411,7 @@ class Trainer:
             if self.on_progress is not None and self.info.is_main:
                 self.on_progress(self.step, self.total_steps)
         del batches  # stops the loader's workers
+        self._stop_eval_loader()
         wall = time.perf_counter() - start_wall
         return self._summary(val_metrics, wall, self.tokens_seen - start_tokens)
 

@@ -80,3 +80,39 @@ def _in_group(process: psutil.Process, group: int) -> bool:
         return os.getpgid(process.pid) == group and process.status() != psutil.STATUS_ZOMBIE
     except (ProcessLookupError, psutil.NoSuchProcess):
         return False
+
+
+def test_one_set_of_evaluation_workers_serves_every_evaluation_and_stops_with_training(tmp_path):
+    """Each evaluation reads the same batches: its workers fork at the first one and serve the rest (a fork
+    per evaluation was a fork while the last one's queue threads ended: gh-112275's hang on CPython 3.11).
+    The figures are those of evaluating on the training thread, and no worker outlives train()."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train import make_draft, make_items, make_world, train_config
+
+    from eagle3.training.trainer import Trainer
+
+    class RecordingReader(list):
+        def __init__(self, items, record: Path):
+            super().__init__(items)
+            self.record = record
+
+        def __getitem__(self, index):
+            with open(self.record, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            return list.__getitem__(self, index)
+
+    val_metrics, readers = {}, {}
+    for workers in (0, 1):
+        embed, lm_head, mapping = make_world()
+        record, metrics = tmp_path / f"val-readers-{workers}.txt", []
+        cfg = train_config(max_steps=4, eval_every=1, num_workers=workers)
+        Trainer(make_draft(embed, mapping), lm_head, cfg, make_items(24, 1, embed),
+                RecordingReader(make_items(8, 2, embed), record), tmp_path / f"run-{workers}",
+                on_metrics=lambda s, m: metrics.append(m), log=lambda s: None).train()
+        val_metrics[workers] = [m["val/loss"] for m in metrics if "val/loss" in m]
+        readers[workers] = set(map(int, record.read_text().split()))
+    assert len(val_metrics[0]) == 4 and val_metrics[1] == val_metrics[0]
+    assert readers[0] == {os.getpid()}
+    (eval_worker,) = readers[1]  # one worker process read all four evaluations
+    assert eval_worker != os.getpid()
+    assert not psutil.pid_exists(eval_worker) or psutil.Process(eval_worker).status() == psutil.STATUS_ZOMBIE
