@@ -2,7 +2,7 @@
 
 - The direction eagle3 <- tasks <- flows, and no orchestration library inside eagle3/.
 - Inside eagle3/, the wings from the bottom up: config/environment, draft, data, training,
-  export, serving, then the command aliases (`python -m eagle3.serve`, `python -m eagle3.torchrun`).
+  export, serving, then the commands (`python -m eagle3.serve`, `python -m eagle3.torchrun`, the fork server).
 - Inside tasks/, the wings from the bottom up: config, then the run log and the run folder
   (`tasks.log`, `tasks.rundir`, `tasks.run_lock`), hosts, tracking, watch, runner, stages.
 - The watch's decisions (`tasks/watch/rules.py`) import no outside world at all.
@@ -30,7 +30,7 @@ EAGLE3_WINGS = [
     ("eagle3.training",),
     ("eagle3.export",),
     ("eagle3.serving",),
-    ("eagle3.serve", "eagle3.torchrun"),
+    ("eagle3.serve", "eagle3.torchrun", "eagle3.forkserver"),
 ]
 TASKS_WINGS = [
     ("tasks.config",),

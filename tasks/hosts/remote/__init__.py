@@ -14,6 +14,8 @@ Modules, each importing only those listed before it; each docstring names the ri
   library only, imports nothing from this project).
 - transfers: uploads and downloads hashed on both sides while they stream, verified and atomic (the
   executor base's half for files).
+- warm_start: this machine's `python -m eagle3.serve` (and data / stream jobs) forked from a fork server that
+  has imported them (eagle3.forkserver), where that is the same as a cold start.
 - executor: the `Executor` protocol, the base both executors share, `LocalExecutor`.
 - channels: paramiko channel primitives (never select() on a channel).
 - host_keys: known_hosts files and names, fingerprints, refusing unknown or changed keys.

@@ -55,6 +55,7 @@ from tasks.hosts.remote.transfers import (
     _HostProcess,
     _VerifiedTransfers,
 )
+from tasks.hosts.remote.warm_start import start_warm
 
 
 class Executor(Protocol):
@@ -251,6 +252,19 @@ class LocalExecutor(_ExecutorBase):
 
     def _home(self) -> str:
         return str(Path.home())
+
+    def start_detached(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                       log_file: str, pid_file: str) -> int:
+        """As on any host; a `python -m eagle3.serve` (or data / stream job) forks from this process's warm fork
+        server where that is the same as a cold start (tasks.hosts.remote.warm_start; EAGLEOPS_WARM_START=0: off)."""
+        words = _validated(argv, env)
+        log_file, pid_file = self.expand_path(log_file), self.expand_path(pid_file)
+        pid = start_warm(words, env, self.expand_path(cwd) if cwd else None, log_file, pid_file)
+        if pid is None:
+            return super().start_detached(words, env=env, cwd=cwd, log_file=log_file, pid_file=pid_file)
+        logger().info("[%s] started pid %d (warm): %s (log %s)", self.name, pid, describe_command(argv, env, cwd),
+                      log_file)
+        return pid
 
     def _open_process(self, command: str) -> _HostProcess:
         return _LocalProcess(command)
