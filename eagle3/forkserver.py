@@ -1,4 +1,4 @@
-"""`python -m eagle3.forkserver SOCKET --preload MODULE`: start `python -m MODULE ...` commands from an
+"""`python -m eagle3.forkserver NAME --preload MODULE...`: start `python -m MODULE ...` commands from an
 interpreter that has already imported them (a warm start).
 
 A `python -m eagle3.serve` spends most of its start importing torch, transformers and FastAPI (~4-5 CPU-s on
@@ -15,7 +15,8 @@ once, then forks one child per request. The child becomes the command:
 - the module run as `python -m` runs it (`runpy`), its exit status its own (the server reaps it and answers
   `status` requests with it).
 
-Protocol: one JSON request per connection on the Unix socket, one JSON answer line.
+Protocol: one JSON request per connection on the abstract Unix socket NAME (no file to leave behind, even on
+kill -9), from the process that started the server only (SO_PEERCRED: its pid and uid); one JSON answer line.
   {"op": "ping"}                              -> {"ok": true}
   {"op": "spawn", "argv", "env", "cwd", "log_file", "pid_file"}
                                               -> {"pid": N} | {"refused": "why"} (the caller starts it cold)
@@ -42,6 +43,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import sys
 
 if __name__ == "__main__":
@@ -62,27 +64,26 @@ class Refused(Exception):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="eagle3.forkserver")
-    parser.add_argument("socket")
+    parser.add_argument("name", help="the abstract Unix socket's name (Linux)")
     parser.add_argument("--preload", action="append", default=[])
     parser.add_argument("--room", default="", help="padding: room for a child's command line in this one's")
     args = parser.parse_args(argv)
     for module in args.preload:
         importlib.import_module(module)
     gc.freeze()
-    request = _serve(args.socket)
+    request = _serve(args.name)
     if request is not None:  # only a child returns here, in a process of its own
         _run_as_main(request)
 
 
-def _serve(path: str) -> dict | None:
+def _serve(name: str) -> dict | None:
     """Answer requests until the parent is gone; in a forked child, return its request."""
     parent, server_pid = os.getppid(), os.getpid()
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path + ".tmp")
-    os.rename(path + ".tmp", path)  # the socket appears only once the preload is done
+    listener.bind("\0" + name)  # bound only once the preload is done: a client's connect is its readiness check
     listener.listen(16)
     statuses: dict[int, int] = {}
     while not stop and os.getppid() == parent:
@@ -94,12 +95,20 @@ def _serve(path: str) -> dict | None:
         if not ready:
             continue
         conn, _ = listener.accept()
+        if not _from(conn, parent):
+            conn.close()
+            continue
         request = _answer(conn, listener, statuses)
         if os.getpid() != server_pid:
             return request
     listener.close()
-    os.unlink(path)
     return None
+
+
+def _from(conn: socket.socket, parent: int) -> bool:
+    """Whether the peer is the process that started this server (an abstract socket has no file permissions)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid == parent and uid == os.getuid()
 
 
 def _reap(statuses: dict[int, int]) -> None:

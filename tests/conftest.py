@@ -205,6 +205,16 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
+def cli_prefect_api(prefect_harness) -> str:
+    """The worker's Prefect server (the harness's) for `eagleops` CLI processes whose subject is not the temporary
+    server a run without PREFECT_API_URL starts (~10 CPU-s each); the Ctrl-C and kill -9 tests of
+    tests/flows/test_interrupts.py keep that temporary server."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on 127.0.0.1 (sqlite in tmp), started once; tests may stop/start it."""
     from tests.mlflow_server import MlflowServer

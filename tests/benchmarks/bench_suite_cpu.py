@@ -40,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TICKS = os.sysconf("SC_CLK_TCK")
 SHELLS = ("bash", "sh", "/bin/sh", "/bin/bash", "/usr/bin/bash")
+FORKED = "-m eagle3.forkserver"  # a warm start's child reads so until it writes its own command line
 
 
 # ------------------------------------------------------------------ record
@@ -77,7 +78,8 @@ def sample_forever(out, stop: threading.Event, every_s: float = 1.0) -> None:
             ppid, ticks, start, comm = stat
             key = (int(pid), start)
             known = seen.get(key)
-            if known is None or comm != known[2]:  # first seen, or it exec'd another program
+            # first seen, or it exec'd another program, or a warm start's child not yet named (eagle3.forkserver)
+            if known is None or comm != known[2] or (FORKED in known[1] and _cmdline(pid) != known[1]):
                 cmd = _cmdline(pid)
                 out.write(json.dumps({"new": int(pid), "start": start, "ppid": ppid, "cmd": cmd, "t": now}) + "\n")
                 known = seen[key] = [known[0] if known else (ticks if first_pass else 0), cmd, comm]

@@ -25,6 +25,7 @@ from eagle3.data.served_dumps import load_dump, read_served_dumps
 from flows.cli import app
 from flows.experiment import eagle3_experiment
 from tasks.config.load import ConfigError, load_experiment
+from tasks.hosts.remote.warm_start import SWITCH
 from tasks.rundir import RunDirectory
 from tasks.runner.stages import StageFailed
 from tasks.stages.bench.stage import bench_prompts, request_inputs
@@ -206,36 +207,6 @@ def test_healthy_setting_deploys_benchmarks_and_tears_down(trained_run, workdir)
     assert "3/1/4" in compared.output  # the speculative setting tag
 
 
-@pytest.mark.slow
-def test_the_deployed_server_dumps_what_it_serves_where_the_run_records(trained_run, workdir):
-    """deploy.dump_requests: dumping goes on through the server's own /configure_logging once it is healthy, the run
-    records where (manifest and MLflow), and the files hold the prompt ids the benchmark sent with the target's own
-    output ids. The benchmark asks for exactly max_new_tokens, so the served-traffic reader counts every one of its
-    answers as cut by the length limit, not as a training sample."""
-    config = write_config(workdir, "dumping", baseline="false", dump_requests="{enabled: true, threshold: 2}")
-    deploy_and_bench(config, trained_run)
-    stages = manifest(trained_run)["stages"]
-    dumps = stages["deploy_server"]["summary"]["dump_requests"]
-    assert dumps["host"] == "local" and dumps["threshold"] == 2
-    folder = Path(dumps["folder"])
-    assert folder.is_absolute() and folder.name == "request-dumps"
-    # 1 warm-up + 2 timed runs of 3 prompts: 9 finished requests, 4 files of 2, one left in the server's memory
-    files = sorted(folder.glob("*.pkl"))
-    entries = [entry for path in files for entry in load_dump(path)["requests"]]
-    assert len(files) == 4 and len(entries) == 8
-    cfg = load_experiment(config)
-    target_dir = Path(stages["export_checkpoint"]["outputs"]["target_dir"])
-    _, sent = request_inputs(cfg, bench_prompts(cfg, None), target_dir)
-    assert [entry[0].fields()["input_ids"] for entry in entries] == [*sent, *sent, *sent][:8]
-    assert {len(entry[1]["output_ids"]) for entry in entries} == {24}
-    served = read_served_dumps(folder, max_length=cfg.data.max_length)
-    assert served.samples == [] and served.excluded["length"] == 8
-
-    client = MlflowClient(f"sqlite:///{workdir / 'runs' / 'mlflow.db'}")
-    params = client.get_run(stages["deploy_server"]["mlflow_run_id"]).data.params
-    assert params["dump_requests.folder"] == str(folder) and params["dump_requests.threshold"] == "2"
-
-
 def test_seed_setting_fails_preflight_with_sglangs_explanation(trained_run, workdir):
     config = write_config(workdir, "seed", speculative=SEED)
     before = json.loads((trained_run / "servers.json").read_text()) if (trained_run / "servers.json").exists() else {}
@@ -366,8 +337,16 @@ def test_a_draft_served_instead_of_the_export_is_judged_by_what_the_server_loade
 
 
 @pytest.mark.slow
-def test_without_a_baseline_the_speedup_is_unknown(trained_run, workdir):
-    deploy_and_bench(write_config(workdir, "no-baseline", baseline="false"), trained_run)
+def test_without_a_baseline_the_speedup_is_unknown_and_the_deployed_server_dumps_what_it_serves(
+        trained_run, workdir):
+    """One deploy + benchmark with deploy.baseline: false (one server, no baseline) and deploy.dump_requests on
+    (two tests before, each its own run; dumping does not touch the verdict). deploy.baseline: false: the speedup
+    is unknown. deploy.dump_requests: dumping goes on through the server's own /configure_logging once it is
+    healthy, the run records where (manifest and MLflow), and the files hold the prompt ids the benchmark sent with
+    the target's own output ids. The benchmark asks for exactly max_new_tokens, so the served-traffic reader counts every one of its
+    answers as cut by the length limit, not as a training sample."""
+    config = write_config(workdir, "no-baseline", baseline="false", dump_requests="{enabled: true, threshold: 2}")
+    deploy_and_bench(config, trained_run)
     bench = bench_summary(trained_run)
     assert [r["setting"] for r in bench["rows"]] == ["speculative 3/1/4"]  # no baseline server was started
     assert bench["verdict"]["status"] == "no_baseline" and bench["verdict"]["best"]["speedup"] is None
@@ -377,9 +356,31 @@ def test_without_a_baseline_the_speedup_is_unknown(trained_run, workdir):
     report = Path(manifest(trained_run)["stages"]["run_benchmark"]["outputs"]["report"]).read_text()
     assert "| speculative 3/1/4 | 1 |" in report and "| unknown |" in report
 
+    stages = manifest(trained_run)["stages"]
+    dumps = stages["deploy_server"]["summary"]["dump_requests"]
+    assert dumps["host"] == "local" and dumps["threshold"] == 2
+    folder = Path(dumps["folder"])
+    assert folder.is_absolute() and folder.name == "request-dumps"
+    # 1 warm-up + 2 timed runs of 3 prompts: 9 finished requests, 4 files of 2, one left in the server's memory
+    files = sorted(folder.glob("*.pkl"))
+    entries = [entry for path in files for entry in load_dump(path)["requests"]]
+    assert len(files) == 4 and len(entries) == 8
+    cfg = load_experiment(config)
+    target_dir = Path(stages["export_checkpoint"]["outputs"]["target_dir"])
+    _, sent = request_inputs(cfg, bench_prompts(cfg, None), target_dir)
+    assert [entry[0].fields()["input_ids"] for entry in entries] == [*sent, *sent, *sent][:8]
+    assert {len(entry[1]["output_ids"]) for entry in entries} == {24}
+    served = read_served_dumps(folder, max_length=cfg.data.max_length)
+    assert served.samples == [] and served.excluded["length"] == 8
+
+    client = MlflowClient(f"sqlite:///{workdir / 'runs' / 'mlflow.db'}")
+    params = client.get_run(stages["deploy_server"]["mlflow_run_id"]).data.params
+    assert params["dump_requests.folder"] == str(folder) and params["dump_requests.threshold"] == "2"
+
 
 @pytest.mark.slow
-def test_a_server_that_crashes_at_start_is_reported_with_its_log_tail(trained_run, workdir):
+def test_a_server_that_crashes_at_start_is_reported_with_its_log_tail(trained_run, workdir, monkeypatch):
+    monkeypatch.setenv(SWITCH, "0")  # the cold start: a launch's own failure (tests/tasks/hosts/remote/test_warm_start.py)
     config = write_config(workdir, "crash", extra_args='["--tokenizer-path", "/nonexistent/tokenizer"]')
     with pytest.raises(StageFailed, match=r"exited during startup; last 50 log lines[\s\S]*nonexistent"):
         deploy_and_bench(config, trained_run)

@@ -86,10 +86,14 @@ def prefect_servers() -> set[int]:
     return found
 
 
-def start_cli(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    """`eagleops ...` in its own process group with SIGINT at its default (a terminal's job)."""
+def start_cli(args: list[str], log: Path, env: dict | None = None, cwd: Path | None = None,
+              prefect_api: str | None = None) -> subprocess.Popen:
+    """`eagleops ...` in its own process group with SIGINT at its default (a terminal's job); with `prefect_api` it
+    reports there (the worker's server: `cli_prefect_api`), else to its own temporary server, as a user's first run."""
     env = {**os.environ, **(env or {}), "EAGLEOPS_TEST_RUN": RUN_MARK}
-    env.pop("PREFECT_API_URL", None)  # its own temporary server, as a user's first run has
+    env.pop("PREFECT_API_URL", None)
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env=env, cwd=cwd,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -161,7 +165,7 @@ def snapshot(folder: Path) -> dict[str, tuple[str, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def resume_a_copy_elsewhere(config: Path, run_dir: Path, workdir: Path) -> None:
+def resume_a_copy_elsewhere(config: Path, run_dir: Path, workdir: Path, prefect_api: str) -> None:
     """The interrupted folder copied alone into another runs root (rsync to shared storage: no tiny-target
     cache, no MLflow store there) resumes there, from another working directory, writing only into the
     copy: the original runs root (run folder, its store, the cache) is the same, byte for byte and mtime."""
@@ -171,7 +175,8 @@ def resume_a_copy_elsewhere(config: Path, run_dir: Path, workdir: Path) -> None:
     elsewhere = workdir / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     log = workdir / "resume-copy.log"
-    proc = start_cli(["run", str(config), "--run-dir", str(copy), "--stages", ML_STAGES], log, cwd=elsewhere)
+    proc = start_cli(["run", str(config), "--run-dir", str(copy), "--stages", ML_STAGES], log, cwd=elsewhere,
+                     prefect_api=prefect_api)
     code, output = proc.wait(timeout=600), log.read_text()
     assert code == 0, output[-3000:]
     assert "generate_data: completed earlier with the same inputs" in output
@@ -184,7 +189,7 @@ def resume_a_copy_elsewhere(config: Path, run_dir: Path, workdir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
+def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir, cli_prefect_api):
     config = write_config(workdir, max_steps=120)
     log = workdir / "sigint.log"
     before = prefect_servers()
@@ -204,7 +209,7 @@ def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
     assert mlflow_status(workdir, manifest["mlflow"]["parent_run_id"]) == "KILLED"
     assert_no_new_server(before)
 
-    resume_a_copy_elsewhere(config, run_dir, workdir)
+    resume_a_copy_elsewhere(config, run_dir, workdir, cli_prefect_api)
     code, output = resume(config, run_dir, workdir, "sigint")
     assert code == 0, output[-3000:]
     assert "generate_data: completed earlier with the same inputs" in output
@@ -216,11 +221,11 @@ def test_ctrl_c_stops_within_seconds_with_one_line_and_resumes(workdir):
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_process_alone_is_handled_like_ctrl_c(workdir):
+def test_sigterm_to_the_process_alone_is_handled_like_ctrl_c(workdir, cli_prefect_api):
     config = write_config(workdir, max_steps=100000)
     log = workdir / "sigterm.log"
     before = prefect_servers()
-    proc = start_cli(["run", str(config)], log)
+    proc = start_cli(["run", str(config)], log, prefect_api=cli_prefect_api)
     wait_for_line(log, r"step 10/\d+", proc)
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
@@ -268,7 +273,7 @@ def resume_env_only(config: Path, run_dir: Path, workdir: Path) -> tuple[int, st
 
 
 @pytest.mark.slow
-def test_a_cancelled_run_leaves_no_model_server(workdir):
+def test_a_cancelled_run_leaves_no_model_server(workdir, cli_prefect_api):
     """SIGTERM (what Prefect's runner sends when a run is cancelled from the UI) while the benchmark
     runs against a live reference server: the flow's teardown stops it, nothing is left (ps)."""
     from tests.helpers import free_port, reference_servers_alive
@@ -282,7 +287,7 @@ bench: {{prompts: {workdir / 'cancel-prompts.jsonl'}, num_prompts: 1, max_new_to
 """)
     (workdir / "cancel-prompts.jsonl").write_text('{"prompt": "Say hello."}\n')
     log = workdir / "cancel.log"
-    proc = start_cli(["run", str(config)], log)
+    proc = start_cli(["run", str(config)], log, prefect_api=cli_prefect_api)
     wait_for_line(log, r"speculative 2/1/3: serving on local", proc)
     run_dir = run_dir_of(workdir)
     # run_benchmark logs its first line only after a whole setting's 1100 generations (~90 s here): wait for
@@ -348,7 +353,7 @@ def server_statuses(run_dir: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
+def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir, cli_prefect_api):
     """Recorded: a server on a host that no longer answers (first, so a teardown that stops at the first
     failure would stop nothing), a group already gone, and two live ones. SIGTERM, then a second signal
     (SIGINT) while the teardown waits for a port: exit 143 with the interrupt's one line, every server it
@@ -360,7 +365,8 @@ def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
     config = workdir / "faults.yaml"
     config.write_text(FAULTS_CONFIG.format(runs=runs, target=TEST_TARGET_YAML, samples=2000, dead_port=free_port()))
     log = workdir / "faults-sigterm.log"
-    proc = start_cli(["run", str(config), "--stages", "check_environment,generate_data"], log)
+    proc = start_cli(["run", str(config), "--stages", "check_environment,generate_data"], log,
+                     prefect_api=cli_prefect_api)
     wait_for_line(log, r"Task run 'generate_data[^']*' - tiny target", proc)  # ~30 s of the stage left
     run_dir = next((runs / "faults").iterdir())
     record_test_server(run_dir, "unreachable", host="gone-host", gone=True)  # its host is what matters
@@ -388,7 +394,8 @@ def test_a_failing_teardown_never_hides_the_interrupt_or_the_failure(workdir):
     failing.write_text(config.read_text().replace("num_samples: 2000", "num_samples: 100000000"))
     record_test_server(run_dir, "again")
     log = workdir / "faults-fail.log"
-    proc = start_cli(["run", str(failing), "--run-dir", str(run_dir), "--stages", "check_environment"], log)
+    proc = start_cli(["run", str(failing), "--run-dir", str(run_dir), "--stages", "check_environment"], log,
+                     prefect_api=cli_prefect_api)
     assert proc.wait(timeout=300) == 1
     output = log.read_text()
     # Prefect logs the stage's own traceback; none may come from the teardown

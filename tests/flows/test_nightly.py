@@ -10,8 +10,8 @@ so CPU timing noise on the shared box cannot flip a decision (-0.95 did, in a lo
 side put the bound at -99.1% for a challenger measured 22.6% faster); the tok/s rule itself is covered by the `decide` tests below. The first
 champion's floor is 1.0 here (any draft that serves), since draft 1 is deliberately weak. Each gate
 measures 2 rounds per draft, interleaved (champion, challenger, challenger, champion). Then the trained
-draft is gated against a byte copy of itself in repeated trials, with the default tok/s margin: never
-promoted.
+draft is gated against a byte copy of itself with the default tok/s margin: never promoted (how often tok/s
+alone refuses it is tests/benchmarks/bench_identical_gate.py's figure).
 """
 
 from __future__ import annotations
@@ -394,7 +394,9 @@ def test_rounds_alternate_so_a_drift_weighs_on_both():
 @pytest.mark.timeout(900)
 def test_identical_drafts_are_never_promoted_over_each_other(nightlies, tmp_path):
     """Two nightlies on the same data and seed train the same draft; here the trained draft against a byte copy
-    of itself, in 3 independent interleaved gates with the default tok/s margin (+2% by the lower bound)."""
+    of itself, in one interleaved gate with the default tok/s margin (+2% by the lower bound). The refusal is a rule
+    on identical accept lengths (deterministic under greedy decoding), so one trial shows it; how often the tok/s
+    bound alone refuses too is a timing claim, measured by tests/benchmarks/bench_identical_gate.py."""
     trained = nightlies["trained"]
     stages = manifest(trained["result"]["run_dir"])["stages"]
     draft = Path(stages["export_checkpoint"]["outputs"]["sglang_dir"])
@@ -402,28 +404,30 @@ def test_identical_drafts_are_never_promoted_over_each_other(nightlies, tmp_path
     cfg = load_experiment(trained["config"])
     cfg = cfg.model_copy(update={"nightly": NightlyConfig(), "deploy": cfg.deploy.model_copy(update={"port": free_port()})})
     run_dir = Path(trained["result"]["run_dir"])
-    upstream = {name: {**stages[name]["summary"], "outputs": stages[name]["outputs"]}
-                for name in ("generate_data", "export_checkpoint")}
-    ctx = StageContext("identical_gate", tmp_path / "stage", run_dir, "", "", upstream)
-    ctx.stage_dir.mkdir()
-    same_config = draft_identity(draft)["config"] == draft_identity(copy)["config"]
-    started, trials = time.monotonic(), []
-    for _ in range(3):
-        measured = measure_drafts(cfg, ctx, {"champion": str(draft), "challenger": str(copy)}, rounds=2)
-        pooled = {label: pooled_rows(rounds) for label, rounds in measured.items()}
-        trials.append(decide(cfg.nightly, pooled["challenger"], pooled["champion"], same_config))
-    assert [t["promote"] for t in trials] == [False, False, False]
+    started, trials = time.monotonic(), identical_gates(cfg, run_dir, stages, draft, copy, tmp_path, trials=1)
+    assert [t["promote"] for t in trials] == [False]
     compared = [trial["comparisons"][0] for trial in trials]
     for c in compared:
         assert c["same_acceptance"] and c["accept_length_gain"] == 0.0
         assert len(c["tok_s_samples"]) == len(c["champion_tok_s_samples"]) == 2
-    # The tok/s bound alone refuses too, usually: the measured spread keeps a noise-only difference under +2%.
-    # A timing claim, so by majority: on CI's two busy cores one gate once measured 554 vs 360 tok/s for the
-    # same bytes (the refusal above never depends on it).
-    refused_by_speed = [c["tok_s_gain_low"] < cfg.nightly.min_tok_s_gain for c in compared]
-    assert sum(refused_by_speed) >= 2, compared
     assert time.monotonic() - started < 600
     assert reference_servers_alive(str(run_dir)) == []
+
+
+def identical_gates(cfg, run_dir: Path, stages: dict, draft: Path, copy: Path, folder: Path, trials: int) -> list[dict]:
+    """`trials` independent gates (2 interleaved rounds a side) of `copy` (challenger) against `draft` (champion),
+    through the gate's own measuring and decision; tests/benchmarks/bench_identical_gate.py runs it too."""
+    upstream = {name: {**stages[name]["summary"], "outputs": stages[name]["outputs"]}
+                for name in ("generate_data", "export_checkpoint")}
+    ctx = StageContext("identical_gate", folder / "stage", run_dir, "", "", upstream)
+    ctx.stage_dir.mkdir()
+    same_config = draft_identity(draft)["config"] == draft_identity(copy)["config"]
+    decisions = []
+    for _ in range(trials):
+        measured = measure_drafts(cfg, ctx, {"champion": str(draft), "challenger": str(copy)}, rounds=2)
+        pooled = {label: pooled_rows(rounds) for label, rounds in measured.items()}
+        decisions.append(decide(cfg.nightly, pooled["challenger"], pooled["champion"], same_config))
+    return decisions
 
 
 # ------------------------------------------------------------------ where training starts

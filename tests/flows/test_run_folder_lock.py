@@ -1,8 +1,8 @@
 """One run per run folder (tasks/run_lock.py), as a user meets it: two `eagleops run` on one --run-dir, and a
 holder killed with kill -9.
 
-Real CLI processes (tests/flows/test_interrupts.py's `start_cli`), each with its own temporary Prefect server, on the
-tiny test target. The first run deploys the reference server on this machine and benchmarks it for minutes; a second
+Real CLI processes (tests/flows/test_interrupts.py's `start_cli`) on the tiny test target: the holder with its own
+temporary Prefect server (killed with it), the runs after it on the worker's Prefect server (`cli_prefect_api`). The first run deploys the reference server on this machine and benchmarks it for minutes; a second
 `eagleops run --run-dir` on its folder (the issue's `--stages deploy_server,run_benchmark`) exits 2 at once with one
 line naming the first's pid, host, Prefect flow run and since when, and writes nothing. The first is then killed
 with SIGKILL (its hooks and teardown cannot run; its model server lives on in its own session): the next run on
@@ -82,7 +82,7 @@ def kill_leftovers(procs: list, run_dir: Path | None) -> None:
 
 
 @pytest.mark.slow
-def test_a_second_run_on_a_held_folder_refuses_at_once_and_a_killed_holder_is_taken_over(tmp_path):
+def test_a_second_run_on_a_held_folder_refuses_at_once_and_a_killed_holder_is_taken_over(tmp_path, cli_prefect_api):
     port = free_port()
     long_bench = write_config(tmp_path, "long", port, warmup=100, timed=1000)
     before = prefect_servers()
@@ -98,7 +98,8 @@ def test_a_second_run_on_a_held_folder_refuses_at_once_and_a_killed_holder_is_ta
         # a second run on the same folder: refused at once, one line naming the holder, nothing written
         log2 = tmp_path / "second.log"
         started = time.monotonic()
-        second = start_cli(["run", str(long_bench), "--run-dir", str(run_dir), "--stages", SECOND_STAGES], log2)
+        second = start_cli(["run", str(long_bench), "--run-dir", str(run_dir), "--stages", SECOND_STAGES], log2,
+                           prefect_api=cli_prefect_api)
         code, refused_after = second.wait(timeout=120), time.monotonic() - started
         output = log2.read_text()
         print(f"second run refused in {refused_after:.2f} s (exit {code}): {output.strip()}")
@@ -119,7 +120,8 @@ def test_a_second_run_on_a_held_folder_refuses_at_once_and_a_killed_holder_is_ta
         # the next run on the folder takes it over, stops the dead run's server, deploys its own on the same port
         short_bench = write_config(tmp_path, "short", port, warmup=1, timed=2)
         log3 = tmp_path / "third.log"
-        third = start_cli(["run", str(short_bench), "--run-dir", str(run_dir), "--stages", SECOND_STAGES], log3)
+        third = start_cli(["run", str(short_bench), "--run-dir", str(run_dir), "--stages", SECOND_STAGES], log3,
+                          prefect_api=cli_prefect_api)
         code, output = third.wait(timeout=600), log3.read_text()
         assert code == 0, output[-3000:]
         assert output.count("taking it over from") == 1

@@ -229,7 +229,7 @@ def _rank_pid(remote: Path, rank: int) -> int | None:
     return None
 
 
-def test_ctrl_c_stops_every_node_and_the_next_run_resumes(data_run, workdir, sshd):
+def test_ctrl_c_stops_every_node_and_the_next_run_resumes(data_run, workdir, sshd, cli_prefect_api):
     """SIGINT to `eagleops run`'s process group, as a terminal sends it: the remote launchers are in
     no local process group, so the stage itself must stop them before the CLI exits. Then the
     same command with --run-dir resumes the DDP run from node 0's last checkpoint."""
@@ -238,7 +238,7 @@ def test_ctrl_c_stops_every_node_and_the_next_run_resumes(data_run, workdir, ssh
     config = write_config(workdir, sshd, "ctrl-c", nodes="[node-a]", devices=2, batch=2, steps=400, every=5)
     command = ["run", str(config), "--run-dir", str(data_run), "--stages", "train_draft"]
     log = workdir / "ctrl-c.log"
-    proc = start_cli(command, log)
+    proc = start_cli(command, log, prefect_api=cli_prefect_api)
     wait_for_line(log, r"\[node 0 \(node-a\)\] .*step 20/400", proc)
     remote = workdir / "remote" / "train"
     assert launcher_processes(remote)
@@ -250,7 +250,7 @@ def test_ctrl_c_stops_every_node_and_the_next_run_resumes(data_run, workdir, ssh
     manifest = json.loads((data_run / "manifest.json").read_text())
     assert manifest["stages"]["train_draft"]["status"] == "interrupted"
 
-    resumed = start_cli(command, workdir / "ctrl-c-resume.log")
+    resumed = start_cli(command, workdir / "ctrl-c-resume.log", prefect_api=cli_prefect_api)
     assert resumed.wait(timeout=600) == 0, (workdir / "ctrl-c-resume.log").read_text()[-3000:]
     stage = RunDirectory.open(data_run).manifest["stages"]["train_draft"]
     assert stage["status"] == "completed" and stage["summary"]["steps"] == 400

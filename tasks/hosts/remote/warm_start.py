@@ -13,7 +13,8 @@ also the answer whenever a warm start is not known to be the same as a cold one:
 
 One server per (python, import-time environment), started at the first warm launch of this process, in its
 process group (Ctrl-C and a group kill reach it), stopped at this process's exit; it also exits by itself
-within a second of this process's end. Every server preloads PRELOAD.
+within a second of this process's end. It listens on an abstract Unix socket and logs to an unlinked file, so
+nothing of it stays on disk, whatever ends it. Every server preloads PRELOAD.
 Children are sessions of their own, as cold ones are: stopping the server leaves them running.
 """
 
@@ -23,14 +24,13 @@ import atexit
 import contextlib
 import json
 import os
-import shutil
+import secrets
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Sequence
 
 from tasks.hosts.remote.log import logger
@@ -86,23 +86,24 @@ class ForkServer:
 
     def __init__(self, python: str, import_env: tuple):
         self.python, self.import_env = python, import_env
-        self.folder = Path(tempfile.mkdtemp(prefix="eagleops-warm-"))
-        self.socket, self.log = str(self.folder / "sock"), self.folder / "server.log"
         if dict(import_env).get("OPENBLAS_NUM_THREADS", "1") != "1":
             raise RuntimeError("OPENBLAS_NUM_THREADS != 1 would start threads in the fork server")
         outside = {k: v for k, v in os.environ.items() if not k.startswith(IMPORT_TIME_ENV)}
         env = {**outside, **dict(import_env), "OPENBLAS_NUM_THREADS": "1", "EAGLEOPS_FORKSERVER_ROOM": " " * ENV_ROOM}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [python, "-m", "eagle3.forkserver", self.socket, *(f"--preload={m}" for m in PRELOAD),
-                 "--room", " " * ARG_ROOM],
-                env=env, cwd=self.folder, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                close_fds=True)
+        self.name = f"eagleops-warm-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: nothing on disk, ever
+        self.log = tempfile.TemporaryFile()  # unlinked: a kill -9 leaves no file either
+        self.proc = subprocess.Popen(
+            [python, "-m", "eagle3.forkserver", self.name, *(f"--preload={m}" for m in PRELOAD),
+             "--room", " " * ARG_ROOM],
+            env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, close_fds=True)
         self.owner = os.getpid()
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
-        while not os.path.exists(self.socket):
+        while True:
+            with contextlib.suppress(OSError):
+                if self._ask({"op": "ping"}).get("ok"):
+                    return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the fork server exited ({self.proc.returncode}): {self._log_tail()}")
             if time.monotonic() > deadline:
@@ -134,7 +135,7 @@ class ForkServer:
     def _ask(self, request: dict) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(60)
-            conn.connect(self.socket)
+            conn.connect("\0" + self.name)
             conn.sendall(json.dumps(request).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):
@@ -145,7 +146,7 @@ class ForkServer:
         return json.loads(data)
 
     def stop(self) -> None:
-        """Stop the server (its children live on) and remove its folder; for the process that started it."""
+        """Stop the server (its children live on); for the process that started it."""
         if self.owner != os.getpid():
             return
         if self.proc.poll() is None:
@@ -155,11 +156,12 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self.log.close()
 
     def _log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+        with contextlib.suppress(OSError, ValueError):
+            end = os.fstat(self.log.fileno()).st_size
+            return os.pread(self.log.fileno(), 3000, max(0, end - 3000)).decode(errors="replace")
         return "(no log)"
 
 

@@ -18,6 +18,7 @@ from eagle3.config import TinyTargetConfig
 from eagle3.data.tiny_target import build_tiny_target
 from tasks.config.schema import ExperimentConfig
 from tasks.hosts.remote import LocalExecutor
+from tasks.hosts.remote.warm_start import SWITCH
 from tasks.hosts.server_registry import read_servers
 from tasks.hosts.servers import Placement, PortTaken, launch, stop
 from tasks.runner.context import StageContext
@@ -25,6 +26,12 @@ from tasks.stages.data.regeneration import launch_on_a_free_port
 from tests.helpers import free_port, reference_servers_alive
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def cold_starts(monkeypatch):
+    """The race is on a cold start's seconds of imports before the bind (a warm start binds sooner)."""
+    monkeypatch.setenv(SWITCH, "0")
 
 TARGET = TinyTargetConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,

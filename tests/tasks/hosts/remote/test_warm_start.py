@@ -229,11 +229,34 @@ def test_the_fork_server_ends_with_the_process_that_started_it_and_its_children_
     assert group_members(child) == []
 
 
-def test_stop_all_stops_the_servers_and_removes_their_folders(warm, tmp_path):
+def test_stop_all_stops_the_servers_and_the_next_warm_start_starts_one(warm, tmp_path):
     executor, start = warm
     start("report_cmd", "600", "0", name="before")
     servers = [s for s in warm_start._SERVERS.values() if s is not None]
     warm_start.stop_all()
-    assert servers and all(s.proc.poll() is not None and not s.folder.exists() for s in servers)
+    assert servers and all(s.proc.poll() is not None for s in servers)
+    for server in servers:  # its abstract socket went with it
+        with pytest.raises(ConnectionRefusedError):
+            server._ask({"op": "ping"})
     pid = start("report_cmd", "600", "0", name="after")
     assert psutil.Process(pid).ppid() in fork_server_pids()
+
+
+def test_the_server_answers_only_the_process_that_started_it(warm, tmp_path):
+    """An abstract socket has no file permissions: another process (here a child of this one) is hung up on."""
+    executor, start = warm
+    start("report_cmd", "600", "0", name="owner")
+    server = next(s for s in warm_start._SERVERS.values() if s is not None and s.alive())
+    probe = textwrap.dedent("""
+        import socket, sys
+        s = socket.socket(socket.AF_UNIX)
+        s.connect("\\0" + sys.argv[1])
+        try:
+            s.sendall(b'{"op": "ping"}\\n')
+            print("answered" if s.recv(100) else "hung up")
+        except ConnectionResetError:
+            print("hung up")
+    """)
+    answer = subprocess.run([sys.executable, "-c", probe, server.name], capture_output=True, text=True, timeout=30)
+    assert answer.stdout.strip() == "hung up", answer
+    assert server._ask({"op": "ping"}) == {"ok": True}
