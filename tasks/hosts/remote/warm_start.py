@@ -64,7 +64,7 @@ def start_warm(argv: Sequence[str], env: dict[str, str] | None, cwd: str | None,
     server = _server_for(argv[0], _import_time(full_env), argv[2])
     if server is None:
         return None
-    return server.spawn(argv, full_env, cwd, log_file, pid_file)
+    return server.spawn(argv, full_env, cwd or os.getcwd(), log_file, pid_file)  # a cold start runs where we do
 
 
 def exit_status(pid: int) -> int | None:

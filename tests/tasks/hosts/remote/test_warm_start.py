@@ -175,6 +175,22 @@ def test_a_reference_server_that_fails_at_start_fails_wait_healthy_with_the_cold
         [line.split(" ", 2)[-1] for line in failures["0"]]
 
 
+def test_without_a_cwd_the_child_runs_where_this_process_does(warm, tmp_path, monkeypatch):
+    """As the detach script's child does: it inherits this process's working directory."""
+    executor, _ = warm
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "report_cmd.py").write_text(textwrap.dedent(MODULES["report_cmd"]))
+    monkeypatch.chdir(here)
+    pid = executor.start_detached([sys.executable, "-m", "report_cmd", "600", "0"], log_file=str(tmp_path / "nocwd.log"),
+                                  pid_file=str(tmp_path / "nocwd.pid"))
+    try:
+        assert psutil.Process(pid).ppid() in fork_server_pids()
+        assert log_json(tmp_path / "nocwd.log")["cwd"] == str(here)
+    finally:
+        executor.kill_group(pid, timeout=2)
+
+
 def test_switched_off_a_command_starts_cold(warm, tmp_path, monkeypatch):
     executor, start = warm
     monkeypatch.setenv(warm_start.SWITCH, "0")
