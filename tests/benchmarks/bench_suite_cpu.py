@@ -219,7 +219,8 @@ def report(folder: Path, top: int) -> None:
         kinds[kind][1] += cpu_by_proc[key]
     sampled = sum(cpu_by_proc.values())
     print(f"{t1 - t0:.0f} s wall, {busy:.0f} CPU-s busy on {os.cpu_count()} cores ({idle:.0f} idle); "
-          f"{sampled:.0f} CPU-s sampled in {len(s.procs)} processes")
+          f"{sampled:.0f} CPU-s sampled in {len(s.procs)} processes; {sum(by_module.values()):.0f} charged to tests "
+          f"(by module below), {sum(unattributed.values()):.0f} to no worker")
     print("\nCPU-s by process kind (count, total, per process):")
     for kind, (count, total) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"  {total:8.1f} {count:5d} {total / max(count, 1):7.2f}  {kind}")
