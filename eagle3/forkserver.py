@@ -10,8 +10,10 @@ once, then forks one child per request. The child becomes the command:
 - the command line and environment in /proc/PID/cmdline and /proc/PID/environ (written over the server's own,
   which were started with room to spare), so `ps`, `pgrep -f` and psutil see the command, not the server
   (followed by NUL padding: empty trailing words);
-- default signal dispositions, fresh random seeds (Python's random reseeds itself at fork; numpy's legacy
-  generator is reseeded here), collection on;
+- the signal dispositions a cold start has: SIGINT and SIGQUIT ignored (the detach script starts its command
+  with `&`, which a non-interactive shell runs with both ignored), SIGTERM as this server inherited it;
+- fresh random seeds (Python's random reseeds itself at fork; numpy's legacy generator is reseeded here),
+  collection on;
 - the module run as `python -m` runs it (`runpy`), its exit status its own (the server reaps it and answers
   `status` requests with it).
 
@@ -53,6 +55,7 @@ LOOP_S = 0.5
 READY_TIMEOUT_S = 10.0  # a forked child that has not become its own session by then is killed
 MAX_REQUEST = 1 << 22
 _KEPT_STATUSES = 4096
+_INHERITED: dict[int, object] = {}  # the dispositions this server replaced with its own, for its children
 
 
 class Refused(Exception):
@@ -81,7 +84,7 @@ def _serve(name: str) -> dict | None:
     parent, server_pid = os.getppid(), os.getpid()
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.append(True))
+        _INHERITED[sig] = signal.signal(sig, lambda *_: stop.append(True))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)  # bound only once the preload is done: a client's connect is its readiness check
     listener.listen(16)
@@ -142,8 +145,8 @@ def _answer(conn: socket.socket, listener: socket.socket, statuses: dict[int, in
             return _reply(conn, {"error": f"unknown op {op!r}"})
         try:
             pid = _spawn(request, [conn, listener])
-        except Refused as why:
-            return _reply(conn, {"refused": str(why)})
+        except (Refused, OSError, KeyError, TypeError) as why:  # no fork (memory, pids) or a malformed request
+            return _reply(conn, {"refused": str(why) if isinstance(why, Refused) else f"{type(why).__name__}: {why}"})
         if pid == 0:
             return request
         return _reply(conn, {"pid": pid})
@@ -231,9 +234,9 @@ def _become(request: dict, server_sockets: list[socket.socket], ready: int, cmdl
     for sock in server_sockets:
         sock.close()
     os.setsid()
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _INHERITED[signal.SIGTERM])
+    for sig in (signal.SIGINT, signal.SIGQUIT):  # as `cmd &` in the detach script (POSIX sh, no job control)
+        signal.signal(sig, signal.SIG_IGN)
     _redirect(request["log_file"])
     if request.get("cwd"):
         os.chdir(request["cwd"])

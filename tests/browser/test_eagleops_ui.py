@@ -78,7 +78,8 @@ def eagleops_ui(runs_root, tmp_path):
     env = {**os.environ, "PREFECT_API_URL": ""}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", str(runs_root), "--prefect-home",
                              str(tmp_path / "prefect-home")], stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+                            start_new_session=True,  # SIGINT at its default, as a terminal's job has it: a suite
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # run with `&` ignores it
     deadline = time.monotonic() + START_TIMEOUT_S
     while READY not in Path(out.name).read_text():
         assert proc.poll() is None and time.monotonic() < deadline, Path(out.name).read_text()

@@ -187,10 +187,14 @@ while [ ! -s "$pidfile" ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done
 [ -s "$pidfile" ] || { echo "no pid in $pidfile after 10 s" >&2; exit 1; }
 cat "$pidfile"
 """
-# Whether process $1 runs: it exists and is not a zombie.
+# Whether process $1 runs: it exists and is not a zombie. ps printing nothing means it was reaped between the two
+# looks (a subreaper or init reaps within moments), unless ps cannot tell at all: kill -0 decides again.
 _ALIVE_FUNCTION = """alive() {
   kill -0 "$1" 2>/dev/null || return 1
-  case "$(ps -o stat= -p "$1" 2>/dev/null)" in Z*) return 1;; esac
+  case "$(ps -o stat= -p "$1" 2>/dev/null)" in
+    Z*) return 1;;
+    "") kill -0 "$1" 2>/dev/null || return 1;;
+  esac
 }
 """
 _ALIVE_SCRIPT = _ALIVE_FUNCTION + 'alive "$1"\n'

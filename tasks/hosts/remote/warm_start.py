@@ -54,7 +54,7 @@ def enabled() -> bool:
 
 
 def start_warm(argv: Sequence[str], env: dict[str, str] | None, cwd: str | None, log_file: str,
-          pid_file: str) -> int | None:
+               pid_file: str) -> int | None:
     """The pid of `argv` started warm (its own session, logging to `log_file`, its pid in `pid_file`), or None:
     start it cold."""
     if not enabled() or len(argv) < 3 or argv[1] != "-m" or argv[2] not in WARM_MODULES \

@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import threading
+import time
 
 import pytest
 
@@ -37,6 +39,44 @@ def test_start_detached_is_alive_and_kill_group(executor, tmp_path, caplog):
     assert not executor.is_alive(pid)
     assert live_processes("sleep 304") == []
     executor.kill_group(pid)  # idempotent
+
+
+def test_a_process_reaped_between_the_two_looks_is_not_alive(tmp_path, monkeypatch):
+    """is_alive looks twice (kill -0, then ps for a zombie); a process reaped in between (a subreaper or init reaps
+    at once) leaves ps printing nothing, which must read as gone. A `ps` on PATH holds the second look until this
+    process has reaped its zombie child; without the re-check, the reaped process read as alive."""
+    child = subprocess.Popen(["sleep", "600"])
+    child.kill()
+    wait_for_zombie(child.pid)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ps").write_text(f'#!/bin/sh\ntouch {tmp_path}/asked\nwhile [ ! -e {tmp_path}/reaped ]; do sleep 0.05; done\n')
+    (fake / "ps").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+
+    def reap_when_asked() -> None:
+        while not (tmp_path / "asked").exists():
+            time.sleep(0.02)
+        child.wait()
+        (tmp_path / "reaped").touch()
+
+    reaper = threading.Thread(target=reap_when_asked)
+    reaper.start()
+    try:
+        assert LocalExecutor().is_alive(child.pid) is False
+    finally:
+        (tmp_path / "asked").touch()
+        reaper.join(timeout=30)
+    monkeypatch.undo()
+    assert LocalExecutor().is_alive(os.getpid()) is True  # the real ps: a live process
+
+
+def wait_for_zombie(pid: int) -> None:
+    for _ in range(200):
+        if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"pid {pid} never became a zombie")
 
 
 def test_a_command_reads_the_stdin_given_and_an_empty_one_otherwise(executor):

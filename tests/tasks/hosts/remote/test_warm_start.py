@@ -44,6 +44,13 @@ MODULES = {
         time.sleep(float(sys.argv[1]))
         sys.exit(int(sys.argv[2]))
     """,
+    # its signal dispositions, as Python sees them; then it waits
+    "signals_cmd": """
+        import signal, time
+        print(*(str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)),
+              flush=True)
+        time.sleep(600)
+    """,
     "crash_cmd": """
         raise RuntimeError("the model folder is not there")
     """,
@@ -189,6 +196,26 @@ def test_without_a_cwd_the_child_runs_where_this_process_does(warm, tmp_path, mo
         assert log_json(tmp_path / "nocwd.log")["cwd"] == str(here)
     finally:
         executor.kill_group(pid, timeout=2)
+
+
+def signal_masks(pid: int) -> dict[str, str]:
+    return {line.split(":")[0]: line.split(":")[1].strip() for line in open(f"/proc/{pid}/status")
+            if line.startswith(("SigIgn", "SigCgt", "SigBlk"))}
+
+
+def test_the_child_has_the_signal_dispositions_of_a_cold_start(warm, tmp_path, monkeypatch):
+    """The kernel's masks (ignored, caught, blocked) and Python's handlers of a warm child equal a cold start's: the
+    detach script's `&` starts the command with SIGINT and SIGQUIT ignored, so neither may raise KeyboardInterrupt."""
+    executor, start = warm
+    seen = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(warm_start.SWITCH, switch)
+        pid = start("signals_cmd", name=f"signals-{switch}")
+        log = tmp_path / "logs" / f"signals-{switch}.log"
+        handlers = wait_for(lambda: log.exists() and log.read_text().strip(), what="the handlers")
+        seen[switch] = (handlers, signal_masks(pid), psutil.Process(pid).ppid() in fork_server_pids())
+    assert (seen["0"][2], seen["1"][2]) == (False, True)
+    assert seen["1"][:2] == seen["0"][:2]
 
 
 def test_switched_off_a_command_starts_cold(warm, tmp_path, monkeypatch):
