@@ -10,8 +10,8 @@ once, then forks one child per request. The child becomes the command:
 - the command line and environment in /proc/PID/cmdline and /proc/PID/environ (written over the server's own,
   which were started with room to spare), so `ps`, `pgrep -f` and psutil see the command, not the server
   (followed by NUL padding: empty trailing words);
-- the signal dispositions a cold start has: SIGINT and SIGQUIT ignored (the detach script starts its command
-  with `&`, which a non-interactive shell runs with both ignored), SIGTERM as this server inherited it;
+- the signal dispositions the caller asks for, those a cold start would have: the request's `ignored` ignored,
+  every other one default (SIGPIPE and SIGXFSZ stay ignored, as Python ignores them at any start);
 - fresh random seeds (Python's random reseeds itself at fork; numpy's legacy generator is reseeded here),
   collection on;
 - the module run as `python -m` runs it (`runpy`), its exit status its own (the server reaps it and answers
@@ -20,7 +20,7 @@ once, then forks one child per request. The child becomes the command:
 Protocol: one JSON request per connection on the abstract Unix socket NAME (no file to leave behind, even on
 kill -9), from the process that started the server only (SO_PEERCRED: its pid and uid); one JSON answer line.
   {"op": "ping"}                              -> {"ok": true}
-  {"op": "spawn", "argv", "env", "cwd", "log_file", "pid_file"}
+  {"op": "spawn", "argv", "env", "cwd", "log_file", "pid_file", "ignored"}
                                               -> {"pid": N} | {"refused": "why"} (the caller starts it cold)
   {"op": "status", "pid": N}                  -> {"exit": code | null} (null: running, or not a child of ours)
 
@@ -55,7 +55,7 @@ LOOP_S = 0.5
 READY_TIMEOUT_S = 10.0  # a forked child that has not become its own session by then is killed
 MAX_REQUEST = 1 << 22
 _KEPT_STATUSES = 4096
-_INHERITED: dict[int, object] = {}  # the dispositions this server replaced with its own, for its children
+PYTHON_IGNORES = (signal.SIGPIPE, signal.SIGXFSZ)  # Python ignores these at any start, cold or warm
 
 
 class Refused(Exception):
@@ -84,7 +84,7 @@ def _serve(name: str) -> dict | None:
     parent, server_pid = os.getppid(), os.getpid()
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        _INHERITED[sig] = signal.signal(sig, lambda *_: stop.append(True))
+        signal.signal(sig, lambda *_: stop.append(True))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)  # bound only once the preload is done: a client's connect is its readiness check
     listener.listen(16)
@@ -234,9 +234,7 @@ def _become(request: dict, server_sockets: list[socket.socket], ready: int, cmdl
     for sock in server_sockets:
         sock.close()
     os.setsid()
-    signal.signal(signal.SIGTERM, _INHERITED[signal.SIGTERM])
-    for sig in (signal.SIGINT, signal.SIGQUIT):  # as `cmd &` in the detach script (POSIX sh, no job control)
-        signal.signal(sig, signal.SIG_IGN)
+    _set_dispositions(set(request["ignored"]))
     _redirect(request["log_file"])
     if request.get("cwd"):
         os.chdir(request["cwd"])
@@ -248,6 +246,14 @@ def _become(request: dict, server_sockets: list[socket.socket], ready: int, cmdl
     _close_other_fds(keep={ready})
     os.write(ready, b"1")
     os.close(ready)
+
+
+def _set_dispositions(ignored: set[int]) -> None:
+    """Each catchable signal ignored if in `ignored`, else default (Python's own SIGPIPE and SIGXFSZ stay ignored)."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP) or sig in PYTHON_IGNORES or sig >= signal.SIGRTMIN:
+            continue
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
 
 
 def _redirect(log_file: str) -> None:

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,25 @@ def exit_status(pid: int) -> int | None:
     return None
 
 
+# The signals a cold start's command has at their default whatever this process does with them: coreutils `timeout`
+# (the detach script runs under it) catches these, and exec resets a caught signal.
+RESET_BY_TIMEOUT = frozenset({signal.SIGALRM, signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD, signal.SIGTTIN,
+                              signal.SIGTTOU})
+# ... and these it has ignored: the detach script starts it with `&`, which a non-interactive shell runs so.
+IGNORED_BY_THE_DETACH = frozenset({signal.SIGINT, signal.SIGQUIT})
+
+
+def cold_start_ignored() -> list[int]:
+    """The signals a command started cold from this process now ignores: what this process ignores (exec keeps an
+    ignored signal ignored) but those `timeout` resets, and SIGINT and SIGQUIT."""
+    ignored = set(IGNORED_BY_THE_DETACH)
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            if sig not in RESET_BY_TIMEOUT and signal.getsignal(sig) == signal.SIG_IGN:
+                ignored.add(sig)
+    return sorted(int(sig) for sig in ignored)
+
+
 def _import_time(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
 
@@ -117,7 +137,7 @@ class ForkServer:
               pid_file: str) -> int | None:
         try:
             answer = self._ask({"op": "spawn", "argv": list(argv), "env": env, "cwd": cwd, "log_file": log_file,
-                                "pid_file": pid_file})
+                                "pid_file": pid_file, "ignored": cold_start_ignored()})
         except OSError as err:
             logger().warning(f"warm start of {argv[2]}: the fork server did not answer ({err}); starting it cold")
             return None
